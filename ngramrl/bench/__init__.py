@@ -1,0 +1,1 @@
+"""The replay benchmark: drafters compared on recorded rollouts (``ngramrl bench``)."""

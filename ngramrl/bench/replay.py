@@ -1,0 +1,105 @@
+"""Replay recorded rollouts through drafting methods (``shared/spec/bench-contract.md``).
+
+Warm-cache regime: rollouts of epoch 0 only build history; each rollout of epoch e >= 1 is
+replayed with what was known before epoch e started. One step proposes a draft of at most k
+tokens, accepts its longest prefix equal to the recorded tokens, and commits that prefix plus
+one token from the target (fewer at the end of the output): one target forward.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import groupby
+
+from ngramrl.bench.methods import ReplayMethod
+from ngramrl.core.trace import Rollout, Trace
+
+
+@dataclass
+class ReplayResult:
+    trace: str
+    workload: str
+    method: str
+    k: int
+    rollouts: int = 0
+    tokens: int = 0
+    forwards: int = 0
+    accepted_hist: list[int] = field(default_factory=list)  # accepted draft tokens -> steps
+    step_ns: list[int] = field(default_factory=list)
+    coverage: dict | None = None
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def draft_us_per_step(self) -> float | None:
+        return statistics.median(self.step_ns) / 1000 if self.step_ns else None
+
+    def to_json(self) -> dict:
+        return {
+            "trace": self.trace,
+            "workload": self.workload,
+            "method": self.method,
+            "k": self.k,
+            "rollouts": self.rollouts,
+            "tokens": self.tokens,
+            "forwards": self.forwards,
+            "tokens_per_forward": round(self.tokens_per_forward, 4),
+            "coverage": self.coverage,
+            "draft_us_per_step": None if self.draft_us_per_step is None else round(self.draft_us_per_step, 3),
+        }
+
+
+def accepted_prefix(draft: list[int], truth: list[int]) -> int:
+    n = 0
+    for a, b in zip(draft, truth):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def replay(
+    trace: Trace,
+    method: ReplayMethod,
+    k: int,
+    trace_name: str | None = None,
+    on_rollout: Callable[[], None] | None = None,
+    on_step: Callable[[list[int], int, Rollout, int], None] | None = None,
+) -> ReplayResult:
+    """Replay ``trace`` through ``method``. ``on_step(draft, accepted, rollout, position)`` sees every step."""
+    result = ReplayResult(trace_name or trace.path, trace.workload, method.name, k)
+    result.accepted_hist = [0] * (k + 1)
+    clock = time.perf_counter_ns
+    for epoch, group in groupby(trace.rollouts, key=lambda r: r.epoch):
+        rollouts = list(group)
+        if epoch >= 1:
+            for rollout in rollouts:
+                method.start(rollout)
+                output = rollout.output
+                position = 0
+                while position < len(output):
+                    begin = clock()
+                    draft = method.propose(k)
+                    result.step_ns.append(clock() - begin)
+                    accepted = accepted_prefix(draft[:k], output[position:])
+                    committed = output[position:position + accepted + 1]
+                    if on_step is not None:
+                        on_step(draft, accepted, rollout, position)
+                    begin = clock()
+                    method.commit(committed)
+                    result.step_ns[-1] += clock() - begin
+                    position += len(committed)
+                    result.forwards += 1
+                    result.accepted_hist[min(accepted, len(committed) - 1)] += 1
+                result.tokens += len(output)
+                result.rollouts += 1
+                method.finish()
+                if on_rollout is not None:
+                    on_rollout()
+        method.add_history(rollouts)
+    return result

@@ -1,0 +1,49 @@
+"""Configuration: one dataclass per component, validated on construction, composed top-down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class HistoryConfig:
+    """How much rollout history is kept, per prompt and in total."""
+
+    rollouts_per_prompt: int = 64      # most recent finished rollouts kept for one prompt
+    epochs_kept: int = 4               # rollouts older than this many epochs behind the newest are dropped
+    max_tokens: int = 50_000_000       # global cap on stored tokens; least recently used prompts go first
+    prompt_tail: int = 8               # prompt tokens stored before each rollout, so its first tokens can be drafted
+
+    def __post_init__(self) -> None:
+        for name in ("rollouts_per_prompt", "epochs_kept", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"HistoryConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_tail < 0:
+            raise ValueError(f"HistoryConfig.prompt_tail must be >= 0, got {self.prompt_tail}")
+
+
+@dataclass
+class DrafterConfig:
+    """How drafts are chosen from the history."""
+
+    max_draft: int = 16                # k: the most tokens proposed per step
+    min_confidence: float = 0.0        # stop a draft once its estimated chance of surviving drops below this
+    min_match: int = 1                 # shortest context match (tokens) that may produce a draft
+    rematch_tokens: int = 32           # context tokens re-read when an index was rebuilt
+    use_self: bool = True              # also draft from the request's own output (loops, repeats)
+    use_global: bool = True            # fall back to other prompts' rollouts when they match longer
+    stop_tokens: tuple[int, ...] = ()  # end-of-sequence ids: nothing after them is ever accepted
+
+    def __post_init__(self) -> None:
+        if self.max_draft < 0:
+            raise ValueError(f"DrafterConfig.max_draft must be >= 0, got {self.max_draft}")
+        if not 0.0 <= self.min_confidence <= 1.0:
+            raise ValueError(f"DrafterConfig.min_confidence must be in [0, 1], got {self.min_confidence}")
+        if self.min_match < 1 or self.rematch_tokens < 1:
+            raise ValueError("DrafterConfig.min_match and rematch_tokens must be >= 1")
+
+
+@dataclass
+class NgramRLConfig:
+    history: HistoryConfig = field(default_factory=HistoryConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)

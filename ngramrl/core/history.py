@@ -1,0 +1,191 @@
+"""Rollout history: per prompt, a bounded window of recent rollouts, indexed for lookup.
+
+Each prompt keeps its most recent finished rollouts (a count and an epoch window) in one suffix
+automaton together with its prompt tokens and the live sequences of its requests in flight, so
+a request drafts from earlier rollouts, from siblings being generated, and from its own output
+with one lookup. A cross-prompt index over all stored rollouts is the fallback. A global token
+cap evicts whole prompts, least recently used first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from ngramrl.config import HistoryConfig
+from ngramrl.core.automaton import ROOT, SuffixAutomaton
+
+
+@dataclass
+class _StoredRollout:
+    epoch: int
+    tokens: list[int]
+
+
+@dataclass
+class PromptHistory:
+    prompt_id: str
+    prompt: list[int]
+    rollouts: deque[_StoredRollout] = field(default_factory=deque)
+    live: dict[str, list[int]] = field(default_factory=dict)
+    index: SuffixAutomaton | None = None
+    cursors: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def stored_tokens(self) -> int:
+        return len(self.prompt) + sum(len(r.tokens) for r in self.rollouts) + sum(map(len, self.live.values()))
+
+
+class RolloutHistory:
+    def __init__(self, config: HistoryConfig | None = None) -> None:
+        self.config = config or HistoryConfig()
+        self._prompts: OrderedDict[str, PromptHistory] = OrderedDict()
+        self._stored = 0
+        self.evicted_prompts = 0
+        self.rebuilds = 0
+        # Cross-prompt index over every stored rollout; rebuilt lazily after evictions.
+        self._global: SuffixAutomaton | None = None
+        self.global_builds = 0
+
+    def __contains__(self, prompt_id: str) -> bool:
+        return prompt_id in self._prompts
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    @property
+    def stored_tokens(self) -> int:
+        return self._stored
+
+    def prompt_ids(self) -> list[str]:
+        return list(self._prompts)
+
+    def rollout_count(self, prompt_id: str) -> int:
+        entry = self._prompts.get(prompt_id)
+        return len(entry.rollouts) if entry else 0
+
+    # -- finished rollouts ------------------------------------------------------------------
+
+    def add_rollout(self, prompt_id: str, prompt: list[int], output: list[int], epoch: int = 0) -> None:
+        """Record a finished rollout; it becomes a draft source for every later request of this prompt."""
+        entry = self._entry(prompt_id, prompt)
+        self._store(entry, epoch, list(output), index_it=True)
+
+    def _entry(self, prompt_id: str, prompt: list[int]) -> PromptHistory:
+        entry = self._prompts.get(prompt_id)
+        if entry is None:
+            entry = PromptHistory(prompt_id, list(prompt))
+            self._prompts[prompt_id] = entry
+            self._stored += len(entry.prompt)
+        self._prompts.move_to_end(prompt_id)
+        return entry
+
+    def _store(self, entry: PromptHistory, epoch: int, tokens: list[int], index_it: bool) -> None:
+        entry.rollouts.append(_StoredRollout(epoch, tokens))
+        self._stored += len(tokens)
+        if self._trim_window(entry):
+            entry.index = None  # rebuilt lazily on the next lookup
+            self._global = None
+        else:
+            if index_it and entry.index is not None:
+                entry.index.add_sequence(self.sequence(entry.prompt, tokens))
+            if self._global is not None:
+                self._global.add_sequence(self.sequence(entry.prompt, tokens))
+        self._enforce_cap()
+
+    def _trim_window(self, entry: PromptHistory) -> bool:
+        newest = max(r.epoch for r in entry.rollouts)
+        evicted = False
+        while entry.rollouts and (
+            len(entry.rollouts) > self.config.rollouts_per_prompt
+            or entry.rollouts[0].epoch <= newest - self.config.epochs_kept
+        ):
+            self._stored -= len(entry.rollouts.popleft().tokens)
+            evicted = True
+        return evicted
+
+    def _enforce_cap(self) -> None:
+        while self._stored > self.config.max_tokens and len(self._prompts) > 1:
+            _, entry = self._prompts.popitem(last=False)
+            self._stored -= entry.stored_tokens
+            self.evicted_prompts += 1
+            self._global = None
+
+    def sequence(self, prompt: list[int], output: list[int]) -> list[int]:
+        """What is indexed for an output: the prompt's last tokens first, so its opening is draftable."""
+        tail = prompt[len(prompt) - self.config.prompt_tail:] if self.config.prompt_tail else []
+        return tail + list(output)
+
+    # -- requests in flight -----------------------------------------------------------------
+
+    def begin_live(self, prompt_id: str, request_id: str, output: list[int] | None = None) -> bool:
+        """A request of a known prompt starts: its tokens become visible to itself and its siblings.
+        Returns False for an unknown prompt (nothing to draft from)."""
+        entry = self._prompts.get(prompt_id)
+        if entry is None:
+            return False
+        entry.live[request_id] = list(output or [])
+        self._stored += len(entry.live[request_id])
+        if entry.index is not None:
+            entry.cursors[request_id] = entry.index.add_sequence(self.sequence(entry.prompt, entry.live[request_id]))
+        return True
+
+    def extend_live(self, prompt_id: str, request_id: str, tokens: list[int]) -> None:
+        entry = self._prompts.get(prompt_id)
+        if entry is None or request_id not in entry.live:
+            return
+        entry.live[request_id].extend(tokens)
+        self._stored += len(tokens)
+        cursor = entry.cursors.get(request_id)
+        if entry.index is not None and cursor is not None:
+            extend = entry.index.extend
+            for token in tokens:
+                cursor = extend(cursor, token)
+            entry.cursors[request_id] = cursor
+
+    def end_live(self, prompt_id: str, request_id: str, epoch: int | None = None) -> None:
+        """A request ends. With an epoch its output is kept as a finished rollout (already indexed);
+        without one it is discarded and the index is rebuilt without it on the next lookup."""
+        entry = self._prompts.get(prompt_id)
+        if entry is None or request_id not in entry.live:
+            return
+        tokens = entry.live.pop(request_id)
+        self._stored -= len(tokens)
+        entry.cursors.pop(request_id, None)
+        if epoch is None:
+            if tokens or entry.index is not None:
+                entry.index = None
+        else:
+            self._store(entry, epoch, tokens, index_it=False)
+
+    def live_state(self, prompt_id: str, request_id: str) -> tuple[SuffixAutomaton, int] | None:
+        """The prompt's index and the state of the request's whole context in it (rebuilding if needed)."""
+        entry = self._prompts.get(prompt_id)
+        if entry is None or request_id not in entry.live:
+            return None
+        self._prompts.move_to_end(prompt_id)
+        if entry.index is None:
+            self._rebuild(entry)
+        return entry.index, entry.cursors[request_id]
+
+    def _rebuild(self, entry: PromptHistory) -> None:
+        index = SuffixAutomaton()
+        index.add_sequence(entry.prompt)
+        for rollout in entry.rollouts:
+            index.add_sequence(self.sequence(entry.prompt, rollout.tokens))
+        entry.cursors = {rid: index.add_sequence(self.sequence(entry.prompt, toks)) for rid, toks in entry.live.items()}
+        entry.index = index
+        self.rebuilds += 1
+
+    def global_index(self) -> SuffixAutomaton:
+        if self._global is None:
+            index = SuffixAutomaton()
+            for entry in self._prompts.values():
+                for rollout in entry.rollouts:
+                    index.add_sequence(self.sequence(entry.prompt, rollout.tokens))
+            self._global = index
+            self.global_builds += 1
+        return self._global
+
+
+__all__ = ["RolloutHistory", "PromptHistory", "ROOT"]

@@ -1,0 +1,263 @@
+"""Rollout traces: the version-1 JSON Lines format of ``shared/spec/trace-format.md``.
+
+A reader validates every line and stops at the first problem with the file, the line and
+what is wrong; it never guesses or skips. A writer sorts by (epoch, prompt_id, sample).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+TRACE_VERSION = 1
+FINISH_REASONS = ("stop", "length")
+
+
+class TraceError(ValueError):
+    """A trace file is malformed; the message names the file, the line and the problem."""
+
+    def __init__(self, path: str, line: int, problem: str) -> None:
+        super().__init__(f"{path}:{line}: {problem}")
+        self.path = path
+        self.line = line
+        self.problem = problem
+
+
+@dataclass
+class TraceHeader:
+    vocab_size: int
+    eos_token_ids: list[int]
+    model: str | None = None
+    tokenizer: str | None = None
+    workload: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ngramrl_trace": TRACE_VERSION, **self.extra}
+        for key in ("model", "tokenizer"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        out["vocab_size"] = self.vocab_size
+        out["eos_token_ids"] = list(self.eos_token_ids)
+        for key in ("workload", "temperature", "top_p", "top_k", "max_tokens"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+@dataclass
+class Rollout:
+    prompt_id: str
+    epoch: int
+    sample: int
+    prompt: list[int]
+    output: list[int]
+    finish_reason: str | None = None
+    reward: float | None = None
+    policy_version: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompt_id": self.prompt_id,
+            "epoch": self.epoch,
+            "sample": self.sample,
+            "prompt": list(self.prompt),
+            "output": list(self.output),
+        }
+        for key in ("finish_reason", "reward", "policy_version"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+@dataclass
+class Trace:
+    header: TraceHeader
+    rollouts: list[Rollout]
+    path: str = "<memory>"
+
+    @property
+    def workload(self) -> str:
+        if self.header.workload:
+            return self.header.workload
+        name = os.path.basename(self.path)
+        return name.split(".", 1)[0]
+
+    def epochs(self) -> list[int]:
+        return sorted({r.epoch for r in self.rollouts})
+
+
+def _open_text(path: str, mode: str) -> io.TextIOBase:
+    if path.endswith(".gz"):
+        return gzip.open(path, mode + "t", encoding="utf-8")  # type: ignore[return-value]
+    return open(path, mode, encoding="utf-8")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _token_list(path: str, line: int, name: str, value: Any, vocab_size: int) -> list[int]:
+    if not isinstance(value, list):
+        raise TraceError(path, line, f"'{name}' must be a list of token ids, got {type(value).__name__}")
+    for position, token in enumerate(value):
+        if not _is_int(token):
+            raise TraceError(path, line, f"'{name}'[{position}] is not an integer: {token!r}")
+        if not 0 <= token < vocab_size:
+            raise TraceError(
+                path, line, f"'{name}'[{position}] = {token} is out of range [0, {vocab_size})"
+            )
+    return value
+
+
+def _parse_header(path: str, raw: str) -> TraceHeader:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise TraceError(path, 1, f"header is not JSON ({err.msg})") from None
+    if not isinstance(obj, dict):
+        raise TraceError(path, 1, "header must be a JSON object")
+    version = obj.get("ngramrl_trace")
+    if version is None:
+        raise TraceError(path, 1, "header is missing 'ngramrl_trace' (is this a trace file?)")
+    if version != TRACE_VERSION:
+        raise TraceError(path, 1, f"unsupported trace version {version!r} (this reader knows {TRACE_VERSION})")
+    vocab_size = obj.get("vocab_size")
+    if not _is_int(vocab_size) or vocab_size <= 0:
+        raise TraceError(path, 1, f"header 'vocab_size' must be a positive integer, got {vocab_size!r}")
+    eos = obj.get("eos_token_ids")
+    if not isinstance(eos, list) or not all(_is_int(t) for t in eos):
+        raise TraceError(path, 1, f"header 'eos_token_ids' must be a list of integers, got {eos!r}")
+    _token_list(path, 1, "eos_token_ids", eos, vocab_size)
+    known = {"ngramrl_trace", "vocab_size", "eos_token_ids", "model", "tokenizer", "workload",
+             "temperature", "top_p", "top_k", "max_tokens"}
+    for key in ("model", "tokenizer", "workload"):
+        if key in obj and obj[key] is not None and not isinstance(obj[key], str):
+            raise TraceError(path, 1, f"header '{key}' must be a string, got {obj[key]!r}")
+    for key in ("temperature", "top_p"):
+        if key in obj and obj[key] is not None and not _is_number(obj[key]):
+            raise TraceError(path, 1, f"header '{key}' must be a number, got {obj[key]!r}")
+    for key in ("top_k", "max_tokens"):
+        if key in obj and obj[key] is not None and not _is_int(obj[key]):
+            raise TraceError(path, 1, f"header '{key}' must be an integer, got {obj[key]!r}")
+    return TraceHeader(
+        vocab_size=vocab_size,
+        eos_token_ids=list(eos),
+        model=obj.get("model"),
+        tokenizer=obj.get("tokenizer"),
+        workload=obj.get("workload"),
+        temperature=obj.get("temperature"),
+        top_p=obj.get("top_p"),
+        top_k=obj.get("top_k"),
+        max_tokens=obj.get("max_tokens"),
+        extra={k: v for k, v in obj.items() if k not in known},
+    )
+
+
+def _parse_rollout(path: str, line: int, raw: str, vocab_size: int) -> Rollout:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise TraceError(path, line, f"not JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(obj, dict):
+        raise TraceError(path, line, "a rollout must be a JSON object")
+    for key in ("prompt_id", "epoch", "sample", "prompt", "output"):
+        if key not in obj:
+            raise TraceError(path, line, f"missing required field '{key}'")
+    if not isinstance(obj["prompt_id"], str):
+        raise TraceError(path, line, f"'prompt_id' must be a string, got {obj['prompt_id']!r}")
+    for key in ("epoch", "sample"):
+        if not _is_int(obj[key]) or obj[key] < 0:
+            raise TraceError(path, line, f"'{key}' must be an integer >= 0, got {obj[key]!r}")
+    prompt = _token_list(path, line, "prompt", obj["prompt"], vocab_size)
+    output = _token_list(path, line, "output", obj["output"], vocab_size)
+    finish = obj.get("finish_reason")
+    if finish is not None and finish not in FINISH_REASONS:
+        raise TraceError(path, line, f"'finish_reason' must be one of {FINISH_REASONS}, got {finish!r}")
+    reward = obj.get("reward")
+    if reward is not None and not _is_number(reward):
+        raise TraceError(path, line, f"'reward' must be a number, got {reward!r}")
+    version = obj.get("policy_version")
+    if version is not None and not _is_int(version):
+        raise TraceError(path, line, f"'policy_version' must be an integer, got {version!r}")
+    return Rollout(obj["prompt_id"], obj["epoch"], obj["sample"], prompt, output, finish, reward, version)
+
+
+def iter_trace(path: str) -> Iterator[TraceHeader | Rollout]:
+    """Yield the header, then each rollout, validating as it goes."""
+    prompts: dict[str, list[int]] = {}
+    last_epoch = -1
+    header: TraceHeader | None = None
+    try:
+        with _open_text(path, "r") as handle:
+            for line_no, raw in enumerate(handle, start=1):
+                if header is None:
+                    header = _parse_header(path, raw)
+                    yield header
+                    continue
+                if not raw.strip():
+                    raise TraceError(path, line_no, "empty line")
+                rollout = _parse_rollout(path, line_no, raw, header.vocab_size)
+                if rollout.epoch < last_epoch:
+                    raise TraceError(
+                        path, line_no, f"epoch goes backwards ({rollout.epoch} after {last_epoch})"
+                    )
+                last_epoch = rollout.epoch
+                known = prompts.setdefault(rollout.prompt_id, rollout.prompt)
+                if known != rollout.prompt:
+                    raise TraceError(
+                        path, line_no, f"prompt_id {rollout.prompt_id!r} has different prompt tokens than before"
+                    )
+                yield rollout
+    except (OSError, EOFError, UnicodeDecodeError) as err:
+        raise TraceError(path, 0, f"cannot read file: {err}") from None
+    if header is None:
+        raise TraceError(path, 1, "file is empty (no header line)")
+
+
+def read_trace(path: str) -> Trace:
+    items = iter(iter_trace(path))
+    header = next(items)
+    assert isinstance(header, TraceHeader)
+    rollouts = [item for item in items if isinstance(item, Rollout)]
+    return Trace(header, rollouts, path)
+
+
+def write_trace(path: str, header: TraceHeader, rollouts: Iterable[Rollout]) -> None:
+    """Write atomically (temporary file, then rename) so a crash never leaves half a trace."""
+    ordered = sorted(rollouts, key=lambda r: (r.epoch, r.prompt_id, r.sample))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    handle = gzip.open(tmp, "wt", encoding="utf-8") if path.endswith(".gz") else open(tmp, "w", encoding="utf-8")
+    with handle:
+        handle.write(json.dumps(header.to_json()) + "\n")
+        for rollout in ordered:
+            handle.write(json.dumps(rollout.to_json(), separators=(",", ":")) + "\n")
+    os.replace(tmp, path)
+
+
+class TraceWriter:
+    """Append rollouts as they finish; the file is valid after every ``flush``."""
+
+    def __init__(self, path: str, header: TraceHeader) -> None:
+        self.path = path
+        self.header = header
+        self.rollouts: list[Rollout] = []
+
+    def add(self, rollout: Rollout) -> None:
+        self.rollouts.append(rollout)
+
+    def flush(self) -> None:
+        write_trace(self.path, self.header, self.rollouts)

