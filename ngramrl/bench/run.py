@@ -1,0 +1,63 @@
+"""Run the replay benchmark over traces, methods and draft lengths."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ngramrl.bench.methods import METHOD_NAMES, make_method
+from ngramrl.bench.replay import ReplayResult, replay
+from ngramrl.config import DrafterConfig, HistoryConfig
+from ngramrl.core.trace import Trace, read_trace
+
+
+def builtin_traces() -> list[str]:
+    """The traces shipped with the package (SmolLM2-135M-Instruct rollouts; see docs/benchmark.md)."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces")
+    return sorted(os.path.join(folder, name) for name in os.listdir(folder) if name.endswith((".jsonl", ".jsonl.gz")))
+
+
+@dataclass
+class BenchConfig:
+    traces: list[str]
+    methods: list[str] = field(default_factory=lambda: list(METHOD_NAMES))
+    ks: list[int] = field(default_factory=lambda: [16])
+    budget: int = 16
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    history: HistoryConfig = field(default_factory=HistoryConfig)
+
+    def __post_init__(self) -> None:
+        if not self.traces:
+            raise ValueError("no trace given")
+        for name in self.methods:
+            if name not in METHOD_NAMES:
+                raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHOD_NAMES)}")
+        for k in self.ks:
+            if k < 1:
+                raise ValueError(f"--k must be >= 1, got {k}")
+        if self.budget < 1:
+            raise ValueError(f"--budget must be >= 1, got {self.budget}")
+
+
+def drafter_for(trace: Trace, base: DrafterConfig) -> DrafterConfig:
+    """The trace's end-of-sequence tokens end drafts: nothing after them is generated."""
+    stops = tuple(sorted(set(base.stop_tokens) | set(trace.header.eos_token_ids)))
+    return DrafterConfig(**{**base.__dict__, "stop_tokens": stops})
+
+
+def run_bench(config: BenchConfig, progress: bool = True) -> list[ReplayResult]:
+    from tqdm import tqdm
+
+    traces = [read_trace(path) for path in config.traces]  # all validated before any work starts
+    replayed = sum(sum(1 for r in t.rollouts if r.epoch >= 1) for t in traces)
+    bar = tqdm(total=replayed * len(config.methods) * len(config.ks), desc="replay", unit="rollout",
+               disable=not progress, leave=False)
+    results: list[ReplayResult] = []
+    for trace in traces:
+        for k in config.ks:
+            for name in config.methods:
+                bar.set_postfix_str(f"{trace.workload} k={k} {name}")
+                method = make_method(name, drafter_for(trace, config.drafter), config.history)
+                results.append(replay(trace, method, k, trace.path, on_rollout=lambda: bar.update(1)))
+    bar.close()
+    return results

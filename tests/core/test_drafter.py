@@ -1,0 +1,164 @@
+import pytest
+
+from ngramrl.config import DrafterConfig, HistoryConfig
+from ngramrl.core.drafter import NgramDrafter
+from ngramrl.core.history import RolloutHistory
+
+PROMPT = [1, 2, 3]
+
+
+def make(history_config=None, **drafter):
+    history = RolloutHistory(history_config or HistoryConfig(prompt_tail=2))
+    return history, NgramDrafter(history, DrafterConfig(**drafter))
+
+
+def test_drafts_the_most_frequent_continuation_of_the_longest_match():
+    history, drafter = make()
+    history.add_rollout("p", PROMPT, [10, 11, 12, 13, 14], epoch=0)
+    history.add_rollout("p", PROMPT, [10, 11, 12, 20, 21], epoch=0)
+    history.add_rollout("p", PROMPT, [10, 11, 12, 13, 15], epoch=0)
+    request = drafter.start("r", "p", PROMPT)
+    draft = drafter.propose(request, 16)
+    assert draft.tokens[:4] == [10, 11, 12, 13]
+    assert draft.source == "prompt"
+    assert len(draft.probs) == len(draft.tokens) and all(0 < p <= 1 for p in draft.probs)
+    assert draft.probs[3] < draft.probs[1]  # 13 followed 2 of 3 times, 11 always followed 10
+    drafter.commit(request, [10, 11, 12, 20])
+    assert drafter.propose(request, 16).tokens == [21]
+    drafter.commit(request, [30])
+    assert drafter.propose(request, 16).tokens == []  # nothing ever followed token 30
+
+
+def test_k_bounds_the_draft_and_zero_k_gives_nothing():
+    history, drafter = make()
+    history.add_rollout("p", PROMPT, list(range(10, 40)), epoch=0)
+    request = drafter.start("r", "p", PROMPT)
+    assert drafter.propose(request, 5).tokens == [10, 11, 12, 13, 14]
+    assert drafter.propose(request, 0).tokens == []
+
+
+def test_unknown_prompt_gets_an_empty_draft_not_an_error():
+    history, drafter = make()
+    history.add_rollout("p", PROMPT, [10, 11], epoch=0)
+    request = drafter.start("r", "never-seen", PROMPT)
+    assert drafter.propose(request).tokens == []
+    drafter.commit(request, [10, 11])
+    assert drafter.propose(request).tokens == []
+    drafter.finish(request)
+
+
+def test_own_output_loop_is_continued_cyclically():
+    history, drafter = make()
+    history.add_rollout("p", PROMPT, [99], epoch=0)
+    request = drafter.start("r", "p", PROMPT)
+    drafter.commit(request, [50, 51, 52, 50, 51])
+    assert drafter.propose(request, 7).tokens == [52, 50, 51, 52, 50, 51, 52]
+
+
+def test_siblings_in_flight_share_their_tokens():
+    history, drafter = make()
+    history.add_rollout("p", PROMPT, [7], epoch=0)
+    first = drafter.start("a", "p", PROMPT)
+    second = drafter.start("b", "p", PROMPT)
+    drafter.commit(first, [40, 41, 42, 43])
+    drafter.commit(second, [40])
+    assert drafter.propose(second, 3).tokens == [41, 42, 43]
+
+
+def test_stop_tokens_end_the_draft():
+    history, drafter = make(stop_tokens=(2,))
+    history.add_rollout("p", PROMPT, [10, 2], epoch=0)
+    request = drafter.start("r", "p", PROMPT)
+    assert drafter.propose(request, 8).tokens == [10, 2]
+
+
+def test_min_confidence_shortens_uncertain_drafts():
+    history, drafter = make(min_confidence=0.3)
+    for tail in ([13, 14], [20, 21], [30, 31]):
+        history.add_rollout("p", PROMPT, [10, 11, 12] + tail, epoch=0)
+    request = drafter.start("r", "p", PROMPT)
+    assert drafter.propose(request, 8).tokens == [10, 11, 12]
+
+
+def test_incremental_state_matches_a_fresh_request():
+    history, drafter = make()
+    outputs = [[10, 11, 12, 13, 14, 15, 16], [10, 11, 20, 13, 14, 21], [10, 30, 12, 13, 14, 15, 31]]
+    for output in outputs:
+        history.add_rollout("p", PROMPT, output, epoch=0)
+    running = drafter.start("run", "p", PROMPT)
+    target = [10, 11, 12, 13, 14, 21, 13, 14]
+    for i, token in enumerate(target):
+        fresh = drafter.start(f"fresh{i}", "p", PROMPT, output=target[:i])
+        assert drafter.propose(fresh, 6).tokens == drafter.propose(running, 6).tokens
+        drafter.finish(fresh)
+        drafter.commit(running, [token])
+
+
+def test_window_keeps_recent_rollouts_and_epochs():
+    history, drafter = make(HistoryConfig(rollouts_per_prompt=2, epochs_kept=2, prompt_tail=2))
+    history.add_rollout("p", PROMPT, [10, 11], epoch=0)
+    history.add_rollout("p", PROMPT, [10, 12], epoch=0)
+    history.add_rollout("p", PROMPT, [10, 13], epoch=1)
+    assert history.rollout_count("p") == 2
+    request = drafter.start("r", "p", PROMPT)
+    drafter.commit(request, [10])
+    assert drafter.propose(request, 1).tokens == [13]  # newest wins the 1-1 tie; [10, 11] was evicted
+    drafter.finish(request)
+    history.add_rollout("p", PROMPT, [10, 14], epoch=2)  # epoch 0 falls out of a 2-epoch window
+    history.add_rollout("p", PROMPT, [10, 14], epoch=2)
+    request = drafter.start("r2", "p", PROMPT)
+    drafter.commit(request, [10])
+    assert drafter.propose(request, 1).tokens == [14]
+    assert history.rollout_count("p") == 2
+
+
+def test_global_token_cap_evicts_least_recently_used_prompts():
+    history, drafter = make(HistoryConfig(max_tokens=30, prompt_tail=2))
+    history.add_rollout("old", PROMPT, [10] * 10, epoch=0)
+    history.add_rollout("mid", PROMPT, [11] * 10, epoch=0)
+    drafter.propose(drafter.start("touch", "old", PROMPT))  # "old" becomes the most recently used
+    history.add_rollout("new", PROMPT, [12] * 10, epoch=0)
+    assert history.stored_tokens <= 30
+    assert "mid" not in history and "old" in history and "new" in history
+    assert history.evicted_prompts == 1
+    request = drafter.start("r", "mid", PROMPT)  # evicted: decodes on with empty drafts
+    assert drafter.propose(request).tokens == []
+
+
+def test_discarded_request_is_not_visible_afterwards():
+    history, drafter = make(use_global=False)
+    history.add_rollout("p", PROMPT, [10, 11], epoch=0)
+    request = drafter.start("r", "p", PROMPT)
+    drafter.commit(request, [10, 50, 51, 52])
+    drafter.finish(request)  # dropped, not kept
+    other = drafter.start("s", "p", PROMPT)
+    drafter.commit(other, [50])
+    assert drafter.propose(other).tokens == []
+    kept = drafter.start("t", "p", PROMPT)
+    drafter.commit(kept, [10, 60, 61])
+    drafter.finish(kept, epoch=1)
+    assert history.rollout_count("p") == 2
+    again = drafter.start("u", "p", PROMPT)
+    drafter.commit(again, [60])
+    assert drafter.propose(again).tokens == [61]
+
+
+def test_cross_prompt_fallback_when_other_prompts_match_longer():
+    history, drafter = make()
+    history.add_rollout("p", PROMPT, [10, 11], epoch=0)
+    history.add_rollout("q", [7, 8, 9], [40, 41, 42, 43, 44], epoch=0)
+    request = drafter.start("r", "p", PROMPT)
+    drafter.commit(request, [40, 41])
+    draft = drafter.propose(request, 4)
+    assert draft.tokens == [42, 43, 44] and draft.source == "global"
+
+
+@pytest.mark.parametrize("bad", [dict(max_draft=-1), dict(min_confidence=1.5), dict(min_match=0)])
+def test_config_rejects_bad_values(bad):
+    with pytest.raises(ValueError):
+        DrafterConfig(**bad)
+
+
+def test_history_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="rollouts_per_prompt"):
+        HistoryConfig(rollouts_per_prompt=0)

@@ -1,0 +1,83 @@
+import gzip
+import json
+
+import pytest
+
+from ngramrl.core.trace import Rollout, TraceError, TraceHeader, read_trace, write_trace
+
+HEADER = {"ngramrl_trace": 1, "vocab_size": 100, "eos_token_ids": [2], "workload": "toy"}
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def rollout_line(**overrides):
+    obj = {"prompt_id": "a", "epoch": 0, "sample": 0, "prompt": [1, 5], "output": [7, 2]}
+    obj.update(overrides)
+    return json.dumps(obj)
+
+
+def test_round_trip_gzip_and_sorting(tmp_path):
+    header = TraceHeader(vocab_size=50, eos_token_ids=[2], model="m", workload="w", temperature=0.6,
+                         extra={"custom": 1})
+    rollouts = [Rollout("b", 1, 0, [1], [3, 2], "stop"), Rollout("a", 0, 1, [4], [5], "length", reward=0.5),
+                Rollout("a", 0, 0, [4], [], None)]
+    path = str(tmp_path / "t.jsonl.gz")
+    write_trace(path, header, rollouts)
+    trace = read_trace(path)
+    assert [(r.epoch, r.prompt_id, r.sample) for r in trace.rollouts] == [(0, "a", 0), (0, "a", 1), (1, "b", 0)]
+    assert trace.header.extra == {"custom": 1} and trace.header.temperature == 0.6
+    assert trace.rollouts[1].reward == 0.5 and trace.workload == "w"
+    with gzip.open(path, "rt") as handle:
+        assert json.loads(handle.readline())["ngramrl_trace"] == 1
+
+
+def test_workload_falls_back_to_file_name(tmp_path):
+    header = dict(HEADER)
+    del header["workload"]
+    path = write_lines(tmp_path / "spider-qwen.jsonl", [json.dumps(header), rollout_line()])
+    assert read_trace(path).workload == "spider-qwen"
+
+
+@pytest.mark.parametrize(
+    "lines, line_no, needle",
+    [
+        ([json.dumps(HEADER), "{not json"], 2, "not JSON"),
+        ([json.dumps(HEADER), json.dumps({"prompt_id": "a", "epoch": 0, "sample": 0, "prompt": [1]})], 2,
+         "missing required field 'output'"),
+        ([json.dumps(HEADER), rollout_line(output=[7, 100])], 2, "out of range"),
+        ([json.dumps(HEADER), rollout_line(output=[7, -1])], 2, "out of range"),
+        ([json.dumps(HEADER), rollout_line(epoch=1), rollout_line(epoch=0, sample=1)], 3, "epoch goes backwards"),
+        ([json.dumps(HEADER), rollout_line(), rollout_line(sample=1, prompt=[1, 6])], 3, "different prompt tokens"),
+        ([json.dumps(HEADER), rollout_line(epoch=-1)], 2, "'epoch' must be an integer >= 0"),
+        ([json.dumps(HEADER), rollout_line(finish_reason="eos")], 2, "finish_reason"),
+        ([json.dumps(HEADER), rollout_line(prompt_id=3)], 2, "'prompt_id' must be a string"),
+        ([json.dumps(HEADER), rollout_line(output=[1.5])], 2, "not an integer"),
+        ([json.dumps(HEADER), ""], 2, "empty line"),
+        ([json.dumps({"vocab_size": 10, "eos_token_ids": [1]})], 1, "missing 'ngramrl_trace'"),
+        ([json.dumps({**HEADER, "ngramrl_trace": 2})], 1, "unsupported trace version"),
+        ([json.dumps({**HEADER, "vocab_size": 0})], 1, "vocab_size"),
+        ([json.dumps({**HEADER, "eos_token_ids": 2})], 1, "eos_token_ids"),
+    ],
+)
+def test_bad_input_names_file_line_and_problem(tmp_path, lines, line_no, needle):
+    path = write_lines(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(TraceError) as info:
+        read_trace(path)
+    assert info.value.path == path
+    assert info.value.line == line_no
+    assert needle in str(info.value)
+    assert str(info.value).startswith(f"{path}:{line_no}:")
+
+
+def test_empty_and_unreadable_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(TraceError, match="empty"):
+        read_trace(str(empty))
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(b"not gzip at all")
+    with pytest.raises(TraceError, match="cannot read"):
+        read_trace(str(broken))
