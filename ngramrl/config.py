@@ -11,7 +11,7 @@ class HistoryConfig:
 
     rollouts_per_prompt: int = 64      # most recent finished rollouts kept for one prompt
     epochs_kept: int = 4               # rollouts older than this many epochs behind the newest are dropped
-    max_tokens: int = 50_000_000       # global cap on stored tokens; least recently used prompts go first
+    max_tokens: int = 8_000_000        # global cap on stored tokens (about 400 B each); LRU prompts go first
     prompt_tail: int = 8               # prompt tokens stored before each rollout, so its first tokens can be drafted
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ def test_bench_writes_contract_json_table_and_plot(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["ngramrl_bench"] == 1
     runs = data["runs"]
-    assert {(r["method"], r["k"]) for r in runs} == {(m, k) for m in ("ngramrl", "suffix", "pld", "none", "oracle")
+    assert {(r["method"], r["k"]) for r in runs} == {(m, k) for m in ("ngramrl", "suffix", "pld", "none", "oracle", "oracle-prompt")
                                                       for k in (16, 8)}
     for run in runs:
         assert run["workload"] == "toy" and run["trace"] == trace and run["rollouts"] == 8

@@ -215,19 +215,23 @@ class OracleMethod:
             self.positions.setdefault(token, []).append(pos)
         self.done = 0
 
+    def _history_run(self, last: int, future: list[int]) -> int:
+        """Walk the automaton along (last, future...) while the string stays a substring."""
+        child = self.index.child
+        state = child(0, last)
+        run = 0
+        if state >= 0:
+            for token in future:
+                state = child(state, token)
+                if state < 0:
+                    break
+                run += 1
+        return run
+
     def propose(self, k: int) -> list[int]:
         future = self.truth[self.done:self.done + k]
         last = self.context[-1]
-        # History: walk the automaton along (last, future...) while the string stays a substring.
-        index = self.index
-        state = index.next[0].get(last)
-        best = 0
-        if state is not None:
-            for token in future:
-                state = index.next[state].get(token)
-                if state is None:
-                    break
-                best += 1
+        best = self._history_run(last, future)
         # Own context, overlapping copies allowed: ext = context + future.
         if best < len(future):
             context = self.context
@@ -258,7 +262,30 @@ class OracleMethod:
         pass
 
 
-METHOD_NAMES = ("ngramrl", "suffix", "pld", "none", "oracle")
+class PromptOracleMethod(OracleMethod):
+    """A tighter ceiling for history drafting: the best continuation copied after a one-token match
+    in the same prompt's earlier rollouts only (no other prompts, no own context)."""
+
+    name = "oracle-prompt"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_prompt: dict[str, SuffixAutomaton] = {}
+
+    def add_history(self, rollouts: list[Rollout]) -> None:
+        for rollout in rollouts:
+            self.per_prompt.setdefault(rollout.prompt_id, SuffixAutomaton()).add_sequence(rollout.output)
+
+    def start(self, rollout: Rollout) -> None:
+        super().start(rollout)
+        self.index = self.per_prompt.get(rollout.prompt_id) or SuffixAutomaton()
+
+    def propose(self, k: int) -> list[int]:
+        future = self.truth[self.done:self.done + k]
+        return future[:self._history_run(self.context[-1], future)]
+
+
+METHOD_NAMES = ("ngramrl", "suffix", "pld", "none", "oracle", "oracle-prompt")
 
 
 def make_method(name: str, drafter: DrafterConfig | None = None, history: HistoryConfig | None = None) -> ReplayMethod:
@@ -272,4 +299,6 @@ def make_method(name: str, drafter: DrafterConfig | None = None, history: Histor
         return NoDraft()
     if name == "oracle":
         return OracleMethod()
+    if name == "oracle-prompt":
+        return PromptOracleMethod()
     raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHOD_NAMES)}")

@@ -45,6 +45,27 @@ def drafter_for(trace: Trace, base: DrafterConfig) -> DrafterConfig:
     return DrafterConfig(**{**base.__dict__, "stop_tokens": stops})
 
 
+def measure_history_memory(trace: Trace, config: HistoryConfig) -> dict:
+    """Bytes the drafter's state takes per stored token, with every rollout of the trace indexed
+    (per-prompt and cross-prompt indexes), measured with tracemalloc."""
+    import tracemalloc
+
+    from ngramrl.core.history import RolloutHistory
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    history = RolloutHistory(config)
+    for rollout in trace.rollouts:
+        history.add_rollout(rollout.prompt_id, rollout.prompt, rollout.output, rollout.epoch)
+    for prompt_id in history.prompt_ids():
+        history.index_of(prompt_id)
+    history.global_index()
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    tokens = history.stored_tokens
+    return {"stored_tokens": tokens, "bytes": used, "bytes_per_token": round(used / max(1, tokens), 1)}
+
+
 def run_bench(config: BenchConfig, progress: bool = True) -> list[ReplayResult]:
     from tqdm import tqdm
 

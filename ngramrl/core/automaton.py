@@ -24,19 +24,55 @@ class SuffixAutomaton:
                  "num_sequences")
 
     def __init__(self) -> None:
-        self.next: list[dict[int, int]] = [{}]
+        # Transitions: most states have exactly one continuation, kept only in best_token/best_state;
+        # ``next[state]`` is a dict only once a second one appears (a dict per state would triple memory).
+        self.next: list[dict[int, int] | None] = [{}]
         self.link: list[int] = [-1]
         self.length: list[int] = [0]
-        self.count: list[int] = [0]            # occurrences: size of the state's end-position set
+        self.count: list[int] = [0]              # occurrences: size of the state's end-position set
         self.best_token: list[int] = [NO_TOKEN]  # most frequent continuation (newest on ties)
         self.best_state: list[int] = [-1]
-        self.followed: list[int] = [0]         # occurrences that some token followed
+        self.followed: list[int] = [0]           # occurrences that some token followed
         self.num_tokens = 0
         self.num_sequences = 0
 
     @property
     def num_states(self) -> int:
         return len(self.length)
+
+    def child(self, state: int, token: int) -> int:
+        """The state after ``token`` from ``state``, or -1."""
+        children = self.next[state]
+        if children is None:
+            return self.best_state[state] if self.best_token[state] == token else -1
+        return children.get(token, -1)
+
+    def children(self, state: int) -> dict[int, int]:
+        children = self.next[state]
+        if children is None:
+            token = self.best_token[state]
+            return {} if token < 0 else {token: self.best_state[state]}
+        return children
+
+    def num_children(self, state: int) -> int:
+        children = self.next[state]
+        if children is None:
+            return 0 if self.best_token[state] < 0 else 1
+        return len(children)
+
+    def _set_child(self, state: int, token: int, target: int) -> None:
+        children = self.next[state]
+        if children is not None:
+            children[token] = target
+            if self.best_token[state] == token:
+                self.best_state[state] = target
+        elif self.best_token[state] < 0:
+            self.best_token[state] = token
+            self.best_state[state] = target
+        elif self.best_token[state] == token:
+            self.best_state[state] = target
+        else:
+            self.next[state] = {self.best_token[state]: self.best_state[state], token: target}
 
     def new_sequence(self) -> int:
         """Start a sequence; returns its cursor (the state of everything appended so far)."""
@@ -50,7 +86,7 @@ class SuffixAutomaton:
         return cursor
 
     def _new_state(self, length: int, link: int) -> int:
-        self.next.append({})
+        self.next.append(None)
         self.link.append(link)
         self.length.append(length)
         self.count.append(0)
@@ -61,7 +97,8 @@ class SuffixAutomaton:
 
     def _clone(self, q: int, length: int) -> int:
         clone = self._new_state(length, self.link[q])
-        self.next[clone] = dict(self.next[q])
+        children = self.next[q]
+        self.next[clone] = None if children is None else dict(children)
         self.count[clone] = self.count[q]
         self.best_token[clone] = self.best_token[q]
         self.best_state[clone] = self.best_state[q]
@@ -69,18 +106,16 @@ class SuffixAutomaton:
         return clone
 
     def _redirect(self, p: int, token: int, q: int, clone: int) -> None:
-        nxt, link, best_state = self.next, self.link, self.best_state
-        while p != -1 and nxt[p].get(token) == q:
-            nxt[p][token] = clone
-            if best_state[p] == q:
-                best_state[p] = clone
+        link = self.link
+        while p != -1 and self.child(p, token) == q:
+            self._set_child(p, token, clone)
             p = link[p]
 
     def extend(self, last: int, token: int) -> int:
         """Append ``token`` to the sequence whose cursor is ``last``; returns the new cursor."""
-        nxt, link, length = self.next, self.link, self.length
-        q = nxt[last].get(token)
-        if q is not None:
+        link, length, child = self.link, self.length, self.child
+        q = child(last, token)
+        if q >= 0:
             if length[q] == length[last] + 1:
                 cur = q
             else:
@@ -90,11 +125,11 @@ class SuffixAutomaton:
         else:
             cur = self._new_state(length[last] + 1, ROOT)
             p = last
-            while p != -1 and token not in nxt[p]:
-                nxt[p][token] = cur
+            while p != -1 and child(p, token) < 0:
+                self._set_child(p, token, cur)
                 p = link[p]
             if p != -1:
-                q = nxt[p][token]
+                q = child(p, token)
                 if length[p] + 1 == length[q]:
                     link[cur] = q
                 else:
@@ -110,27 +145,30 @@ class SuffixAutomaton:
             v = link[v]
         # Every suffix of the sequence before this token (the link path of last) was followed once
         # more, by ``token``: update its tally and, if this continuation now leads, its best.
-        best_token, best_state, followed = self.best_token, self.best_state, self.followed
+        nxt, best_token, best_state, followed = self.next, self.best_token, self.best_state, self.followed
         p = last
         while p != -1:
-            child = nxt[p][token]
             followed[p] += 1
-            best = best_state[p]
-            if best < 0 or count[child] >= count[best]:
-                best_token[p] = token
-                best_state[p] = child
+            children = nxt[p]
+            if children is not None:
+                target = children[token]
+                best = best_state[p]
+                if best < 0 or count[target] >= count[best]:
+                    best_token[p] = token
+                    best_state[p] = target
             p = link[p]
         self.num_tokens += 1
         return cur
 
     def step(self, state: int, matched: int, token: int) -> tuple[int, int]:
         """Extend a match (state, matched length) by ``token``: the longest suffix that stays known."""
-        nxt, link, length = self.next, self.link, self.length
-        while state != ROOT and token not in nxt[state]:
+        link, length, child = self.link, self.length, self.child
+        target = child(state, token)
+        while target < 0 and state != ROOT:
             state = link[state]
             matched = length[state]
-        target = nxt[state].get(token)
-        if target is None:
+            target = child(state, token)
+        if target < 0:
             return ROOT, 0
         return target, matched + 1
 
@@ -143,4 +181,4 @@ class SuffixAutomaton:
     def continuations(self, state: int) -> list[tuple[int, int]]:
         """All (token, count) that followed this state, most frequent first."""
         count = self.count
-        return sorted(((t, count[u]) for t, u in self.next[state].items()), key=lambda tc: -tc[1])
+        return sorted(((t, count[u]) for t, u in self.children(state).items()), key=lambda tc: -tc[1])

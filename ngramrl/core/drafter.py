@@ -106,9 +106,9 @@ class NgramDrafter:
         best = self.walk(index, state, k, "prompt")
         if self.config.use_global:
             index = self._global_match(request)
-            if request.global_matched >= self.config.min_match:
-                other = self.walk(index, request.global_state, k, "global")
-                if other.expected_accepted > best.expected_accepted:
+            if request.global_matched > best.matched:
+                other = self.walk(index, request.global_state, k, "global", request.global_matched)
+                if other.tokens:
                     best = other
         return best
 
@@ -120,14 +120,16 @@ class NgramDrafter:
             request.global_state, request.global_matched = index.match(context[-self.config.rematch_tokens:])
         return index
 
-    def walk(self, index: SuffixAutomaton, state: int, k: int, source: str) -> Draft:
-        """Follow the most frequent continuation from ``state`` (backing off where occurrences end)."""
-        link, length, count, nxt = index.link, index.length, index.count, index.next
+    def walk(self, index: SuffixAutomaton, state: int, k: int, source: str, matched: int | None = None) -> Draft:
+        """Follow the most frequent continuation from ``state`` (backing off where occurrences end).
+        ``matched``: how much of the context the state matches, when less than its longest string."""
+        link, length, count, num_children = index.link, index.length, index.count, index.num_children
         best_token, best_state, followed = index.best_token, index.best_state, index.followed
         min_match = self.config.min_match
+        matched = length[state] if matched is None else min(matched, length[state])
         while best_token[state] < 0 and length[state] > min_match:
             state = link[state]
-        matched = length[state]
+            matched = length[state]
         if best_token[state] < 0 or matched < min_match:
             return Draft([], matched=matched)
         tokens: list[int] = []
@@ -139,7 +141,7 @@ class NgramDrafter:
         while True:
             token, child = best_token[state], best_state[state]
             # Witten-Bell estimate: unseen continuations get the mass of one per distinct token seen.
-            p = count[child] / (followed[state] + len(nxt[state]))
+            p = count[child] / (followed[state] + num_children(state))
             survive *= p
             if survive < floor:
                 break

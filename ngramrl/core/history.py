@@ -163,10 +163,19 @@ class RolloutHistory:
         entry = self._prompts.get(prompt_id)
         if entry is None or request_id not in entry.live:
             return None
-        self._prompts.move_to_end(prompt_id)
+        return self._indexed(entry), entry.cursors[request_id]
+
+    def index_of(self, prompt_id: str) -> SuffixAutomaton | None:
+        """The prompt's index (built if needed), or None for an unknown prompt."""
+        entry = self._prompts.get(prompt_id)
+        return None if entry is None else self._indexed(entry)
+
+    def _indexed(self, entry: PromptHistory) -> SuffixAutomaton:
+        self._prompts.move_to_end(entry.prompt_id)
         if entry.index is None:
             self._rebuild(entry)
-        return entry.index, entry.cursors[request_id]
+        assert entry.index is not None
+        return entry.index
 
     def _rebuild(self, entry: PromptHistory) -> None:
         index = SuffixAutomaton()

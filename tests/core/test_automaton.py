@@ -25,15 +25,15 @@ def test_against_brute_force_with_interleaved_sequences():
         assert matched == longest
         if matched:
             assert sam.count[state] == occurrences(seqs, context[-matched:])
-            for token, child in sam.next[state].items():
+            for token, child in sam.children(state).items():
                 assert sam.count[child] == occurrences(seqs, context[-matched:] + [token])
         for s in range(1, sam.num_states):
-            children = sam.next[s]
+            children = sam.children(s)
             if not children:
                 assert sam.best_token[s] == -1
                 continue
             assert sam.count[sam.best_state[s]] == max(sam.count[c] for c in children.values())
-            assert sam.next[s][sam.best_token[s]] == sam.best_state[s]
+            assert children[sam.best_token[s]] == sam.best_state[s]
             assert sam.followed[s] == sum(sam.count[c] for c in children.values())
 
 
