@@ -11,7 +11,8 @@ from ngramrl.core.trace import TraceError
 
 def _bench(args: argparse.Namespace) -> int:
     from ngramrl.bench.report import format_table, plot_tokens_per_forward, write_json
-    from ngramrl.bench.run import BenchConfig, builtin_traces, run_bench
+    from ngramrl.bench.run import BenchConfig, builtin_traces, measure_history_memory, run_bench
+    from ngramrl.core.trace import read_trace
 
     traces = args.traces or builtin_traces()
     if not args.traces:
@@ -20,8 +21,14 @@ def _bench(args: argparse.Namespace) -> int:
                          .default_factory(), ks=args.k or [16], budget=args.budget)
     results = run_bench(config, progress=not args.no_progress)
     print(format_table(results))
+    memory = {}
+    if "ngramrl" in config.methods:
+        for path in config.traces:
+            memory[path] = measure_history_memory(read_trace(path), config.history)
+            print(f"ngramrl history memory, {os.path.basename(path)}: {memory[path]['bytes_per_token']:.0f} bytes "
+                  f"per stored token ({memory[path]['stored_tokens']} tokens, per-prompt and cross-prompt indexes)")
     if args.json:
-        write_json(args.json, results)
+        write_json(args.json, results, {"ngramrl_memory": memory} if memory else None)
         print(f"wrote {args.json}")
     if args.plot:
         plot_tokens_per_forward(results, args.plot, config.ks[0])

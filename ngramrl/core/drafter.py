@@ -3,20 +3,21 @@
 For a request (prompt id, prompt, output so far) it proposes up to k tokens:
 
 1. **Match.** The request's own tokens live in its prompt's suffix automaton, next to the prompt's
-   recent rollouts and its siblings in flight. The state of its whole context there, followed up
-   suffix links to the first state that has continuations, is the longest suffix of the context
-   that occurred before (in an earlier rollout, a sibling, the prompt or its own earlier output).
-   Committing a token extends the request's sequence in O(1) amortised time.
-2. **Continuation.** From that state the draft follows, token by token, the continuation that
-   followed most often (newest on ties). Where the matched occurrences end, it backs off to a
-   shorter suffix and goes on, which also continues loops. The chance that each drafted token is
-   the one that follows, given the tokens before it, is estimated from the same counts; the draft
-   stops when the product falls under ``min_confidence``.
+   recent rollouts and its siblings in flight. The request keeps its match state there: the longest
+   suffix of its context seen in that index, and how long it is. Committing tokens moves the state
+   in O(1) amortised time per token.
+2. **Continuation.** From the matched state (backed off along suffix links to the first state that
+   has continuations) the draft follows, token by token, the continuation that followed most often
+   (newest on ties). Where the matched occurrences end, it backs off to a shorter suffix and goes
+   on, which also continues loops. The chance that each drafted token follows, given the tokens
+   before it, is estimated from the same counts (Witten-Bell); the draft stops when the product
+   falls under ``min_confidence``, at a stop token, or after k tokens.
 3. **Cross-prompt fallback.** When other prompts' rollouts match a longer suffix than this
-   prompt's history, the draft comes from them instead.
+   prompt's index, the draft comes from them instead.
 
-Each draft carries the automaton states it walked through, so the prefetcher can predict the next
-draft for any verification outcome without redoing the match.
+The request's own committed tokens enter its prompt's index right after the next draft was made
+(``absorb``), never in between: so the next draft is a pure function of the index and the tokens
+committed, and a prefetcher that knows the outcome in advance computes exactly the same draft.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ class Draft:
     tokens: list[int]
     # probs[i]: estimated chance that tokens[i] follows, given the context and tokens[:i].
     probs: list[float] = field(default_factory=list)
-    # states[i]: the index state after the context and tokens[:i] (len(tokens) + 1 entries).
-    states: list[int] = field(default_factory=list)
     matched: int = 0
     source: str = "none"  # "prompt" (this prompt's history), "global" (other prompts) or "none"
-    index: SuffixAutomaton | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
 
     @property
     def expected_accepted(self) -> float:
@@ -48,8 +49,16 @@ class Draft:
             total += survive
         return total
 
-    def __len__(self) -> int:
-        return len(self.tokens)
+
+EMPTY = Draft([])
+
+
+@dataclass
+class MatchState:
+    """Where a context stands in one index: a state and the length of the suffix it matches."""
+
+    state: int = ROOT
+    matched: int = 0
 
 
 @dataclass
@@ -61,9 +70,19 @@ class RequestState:
     prompt: list[int]
     output: list[int] = field(default_factory=list)
     known: bool = False
-    global_build: int = -1
-    global_state: int = ROOT
-    global_matched: int = 0
+    index: SuffixAutomaton | None = None      # the prompt index the match state refers to
+    match: MatchState = field(default_factory=MatchState)
+    pending: list[int] = field(default_factory=list)  # committed, not yet in the index
+    global_index: SuffixAutomaton | None = None
+    global_match: MatchState = field(default_factory=MatchState)
+
+
+def advance(index: SuffixAutomaton, match: MatchState, tokens: list[int]) -> MatchState:
+    state, matched = match.state, match.matched
+    step = index.step
+    for token in tokens:
+        state, matched = step(state, matched, token)
+    return MatchState(state, matched)
 
 
 class NgramDrafter:
@@ -71,62 +90,90 @@ class NgramDrafter:
         self.history = history
         self.config = config or DrafterConfig()
 
+    # -- request life cycle -----------------------------------------------------------------
+
     def start(self, request_id: str, prompt_id: str, prompt: list[int], output: list[int] | None = None) -> RequestState:
         request = RequestState(request_id, prompt_id, list(prompt), list(output or []))
         request.known = self.history.begin_live(prompt_id, request_id, request.output)
         if request.known:
-            self.history.live_state(prompt_id, request_id)  # build the index now, not in the first step
+            self._sync(request)  # build the index now, not in the first step
         return request
 
     def commit(self, request: RequestState, tokens: list[int]) -> None:
-        """Record tokens the target has committed for this request."""
+        """Tokens the target committed (accepted draft tokens and the one it emitted)."""
         request.output.extend(tokens)
         if not request.known:
             return
-        self.history.extend_live(request.prompt_id, request.request_id, tokens)
-        if self.config.use_global and request.global_build == self.history.global_builds:
-            index = self.history.global_index()
-            state, matched = request.global_state, request.global_matched
-            for token in tokens:
-                state, matched = index.step(state, matched, token)
-            request.global_state, request.global_matched = state, matched
+        self.absorb(request)
+        index = self._sync(request)
+        request.match = advance(index, request.match, tokens)
+        request.pending = list(tokens)
+        if request.global_index is not None and request.global_index is self.history.global_index():
+            request.global_match = advance(request.global_index, request.global_match, tokens)
+
+    def absorb(self, request: RequestState) -> None:
+        """Add the request's committed tokens to its prompt's index (after its next draft is made)."""
+        if request.known and request.pending:
+            tokens, request.pending = request.pending, []
+            self.history.extend_live(request.prompt_id, request.request_id, tokens)
+            index = self.history.index_of(request.prompt_id)
+            if index is request.index:
+                cursor = self.history.cursor(request.prompt_id, request.request_id)
+                request.match = MatchState(cursor, index.length[cursor])
 
     def finish(self, request: RequestState, epoch: int | None = None) -> None:
         """The request ended: keep its output as a finished rollout of ``epoch``, or drop it (None)."""
         if request.known:
+            self.absorb(request)
             self.history.end_live(request.prompt_id, request.request_id, epoch)
             request.known = False
 
+    def _sync(self, request: RequestState) -> SuffixAutomaton:
+        """The prompt's current index; the match state is recomputed if the index was rebuilt."""
+        index = self.history.index_of(request.prompt_id)
+        assert index is not None
+        if index is not request.index:
+            request.index = index
+            cursor = self.history.cursor(request.prompt_id, request.request_id)
+            request.match = advance(index, MatchState(cursor, index.length[cursor]), request.pending)
+        return index
+
+    # -- drafting ---------------------------------------------------------------------------
+
     def propose(self, request: RequestState, k: int | None = None) -> Draft:
+        """The draft for the request's current context; then its pending tokens enter the index."""
+        draft = self.lookup(request, k)
+        self.absorb(request)
+        return draft
+
+    def lookup(self, request: RequestState, k: int | None = None, after: list[int] | None = None) -> Draft:
+        """The draft for the current context followed by ``after`` (a predicted outcome), without
+        changing the request: the prefetcher's lookup and the synchronous one are the same code."""
         k = self.config.max_draft if k is None else k
-        live = self.history.live_state(request.prompt_id, request.request_id) if request.known else None
-        if live is None or k <= 0:
-            return Draft([])
-        index, state = live
-        best = self.walk(index, state, k, "prompt")
+        if not request.known or k <= 0:
+            return EMPTY
+        index = self._sync(request)
+        match = advance(index, request.match, after) if after else request.match
+        best = self.walk(index, match, k, "prompt")
         if self.config.use_global:
-            index = self._global_match(request)
-            if request.global_matched > best.matched:
-                other = self.walk(index, request.global_state, k, "global", request.global_matched)
+            global_index = self.history.global_index()
+            if request.global_index is not global_index:
+                request.global_index = global_index
+                context = request.prompt + request.output
+                request.global_match = advance(global_index, MatchState(), context[-self.config.rematch_tokens:])
+            global_match = advance(global_index, request.global_match, after) if after else request.global_match
+            if global_match.matched > best.matched:
+                other = self.walk(global_index, global_match, k, "global")
                 if other.tokens:
                     best = other
         return best
 
-    def _global_match(self, request: RequestState) -> SuffixAutomaton:
-        index = self.history.global_index()
-        if request.global_build != self.history.global_builds:
-            request.global_build = self.history.global_builds
-            context = request.prompt + request.output
-            request.global_state, request.global_matched = index.match(context[-self.config.rematch_tokens:])
-        return index
-
-    def walk(self, index: SuffixAutomaton, state: int, k: int, source: str, matched: int | None = None) -> Draft:
-        """Follow the most frequent continuation from ``state`` (backing off where occurrences end).
-        ``matched``: how much of the context the state matches, when less than its longest string."""
+    def walk(self, index: SuffixAutomaton, match: MatchState, k: int, source: str) -> Draft:
+        """Follow the most frequent continuation from a match (backing off where occurrences end)."""
         link, length, count, num_children = index.link, index.length, index.count, index.num_children
         best_token, best_state, followed = index.best_token, index.best_state, index.followed
         min_match = self.config.min_match
-        matched = length[state] if matched is None else min(matched, length[state])
+        state, matched = match.state, min(match.matched, index.length[match.state])
         while best_token[state] < 0 and length[state] > min_match:
             state = link[state]
             matched = length[state]
@@ -134,20 +181,18 @@ class NgramDrafter:
             return Draft([], matched=matched)
         tokens: list[int] = []
         probs: list[float] = []
-        states = [state]
         floor = self.config.min_confidence
         stop = self.config.stop_tokens
         survive = 1.0
         while True:
             token, child = best_token[state], best_state[state]
-            # Witten-Bell estimate: unseen continuations get the mass of one per distinct token seen.
+            # Witten-Bell: unseen continuations get the mass of one per distinct token seen.
             p = count[child] / (followed[state] + num_children(state))
             survive *= p
             if survive < floor:
                 break
             tokens.append(token)
             probs.append(p)
-            states.append(child)
             if len(tokens) >= k or token in stop:
                 break
             state = child
@@ -155,4 +200,4 @@ class NgramDrafter:
                 state = link[state]
             if best_token[state] < 0:
                 break
-        return Draft(tokens, probs, states, matched, source, index)
+        return Draft(tokens, probs, matched, source)

@@ -165,6 +165,10 @@ class RolloutHistory:
             return None
         return self._indexed(entry), entry.cursors[request_id]
 
+    def cursor(self, prompt_id: str, request_id: str) -> int:
+        """State of the request's own sequence in its prompt's current index."""
+        return self._prompts[prompt_id].cursors[request_id]
+
     def index_of(self, prompt_id: str) -> SuffixAutomaton | None:
         """The prompt's index (built if needed), or None for an unknown prompt."""
         entry = self._prompts.get(prompt_id)

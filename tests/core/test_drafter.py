@@ -7,6 +7,13 @@ from ngramrl.core.history import RolloutHistory
 PROMPT = [1, 2, 3]
 
 
+def feed(drafter, request, tokens):
+    """Commit tokens one step at a time, drafting in between, as decoding does."""
+    for token in tokens:
+        drafter.commit(request, [token])
+        drafter.propose(request)
+
+
 def make(history_config=None, **drafter):
     history = RolloutHistory(history_config or HistoryConfig(prompt_tail=2))
     return history, NgramDrafter(history, DrafterConfig(**drafter))
@@ -51,7 +58,7 @@ def test_own_output_loop_is_continued_cyclically():
     history, drafter = make()
     history.add_rollout("p", PROMPT, [99], epoch=0)
     request = drafter.start("r", "p", PROMPT)
-    drafter.commit(request, [50, 51, 52, 50, 51])
+    feed(drafter, request, [50, 51, 52, 50, 51])
     assert drafter.propose(request, 7).tokens == [52, 50, 51, 52, 50, 51, 52]
 
 
@@ -60,7 +67,7 @@ def test_siblings_in_flight_share_their_tokens():
     history.add_rollout("p", PROMPT, [7], epoch=0)
     first = drafter.start("a", "p", PROMPT)
     second = drafter.start("b", "p", PROMPT)
-    drafter.commit(first, [40, 41, 42, 43])
+    feed(drafter, first, [40, 41, 42, 43])
     drafter.commit(second, [40])
     assert drafter.propose(second, 3).tokens == [41, 42, 43]
 
