@@ -44,6 +44,31 @@ class DrafterConfig:
 
 
 @dataclass
+class PrefetchConfig:
+    """How verification outcomes are predicted and how many next drafts are looked up ahead."""
+
+    budget: int = 16                   # next-draft lookups per request per step
+    global_budget: int | None = None   # optional cap for the whole batch (fan-out follows uncertainty)
+    min_probability: float = 0.0       # outcomes less likely than this are never prefetched
+    levels: int = 2                    # suffix levels whose continuations are candidate corrections
+    prior_strength: float = 4.0        # pseudo-observations behind the drafter's own estimate
+    workers: int = 2                   # lookup threads (the Ray drafter pool replaces them later)
+
+    def __post_init__(self) -> None:
+        if self.budget < 0:
+            raise ValueError(f"PrefetchConfig.budget must be >= 0, got {self.budget}")
+        if self.global_budget is not None and self.global_budget < 0:
+            raise ValueError(f"PrefetchConfig.global_budget must be >= 0, got {self.global_budget}")
+        if not 0.0 <= self.min_probability <= 1.0:
+            raise ValueError(f"PrefetchConfig.min_probability must be in [0, 1], got {self.min_probability}")
+        if self.levels < 1 or self.workers < 1:
+            raise ValueError("PrefetchConfig.levels and workers must be >= 1")
+        if self.prior_strength <= 0:
+            raise ValueError(f"PrefetchConfig.prior_strength must be > 0, got {self.prior_strength}")
+
+
+@dataclass
 class NgramRLConfig:
     history: HistoryConfig = field(default_factory=HistoryConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)

@@ -24,8 +24,8 @@ def test_bench_writes_contract_json_table_and_plot(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["ngramrl_bench"] == 1
     runs = data["runs"]
-    assert {(r["method"], r["k"]) for r in runs} == {(m, k) for m in ("ngramrl", "suffix", "pld", "none", "oracle", "oracle-prompt")
-                                                      for k in (16, 8)}
+    methods = ("ngramrl", "suffix", "pld", "none", "oracle", "oracle-prompt")
+    assert {(r["method"], r["k"]) for r in runs} == {(m, k) for m in methods for k in (16, 8)}
     for run in runs:
         assert run["workload"] == "toy" and run["trace"] == trace and run["rollouts"] == 8
         assert run["tokens_per_forward"] == round(run["tokens"] / run["forwards"], 4)

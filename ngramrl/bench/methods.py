@@ -8,13 +8,47 @@ rollout ``start``, and per step ``propose`` and ``commit``, then ``finish``.
 
 from __future__ import annotations
 
+import statistics
+import time
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from ngramrl.config import DrafterConfig, HistoryConfig
+from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.automaton import SuffixAutomaton
-from ngramrl.core.drafter import NgramDrafter, RequestState
+from ngramrl.core.drafter import Draft, NgramDrafter, RequestState
 from ngramrl.core.history import RolloutHistory
+from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, predict_outcomes
 from ngramrl.core.trace import Rollout
+
+
+class _BigramHistory:
+    """For the coverage ceiling: which tokens ever followed a token in the allowed history
+    (earlier epochs' prompts and outputs, the request's own prompt and output so far)."""
+
+    def __init__(self) -> None:
+        self.followers: dict[int, set[int]] = {}
+        self.own: dict[int, set[int]] = {}
+        self.last = -1
+
+    def add(self, rollouts: list[Rollout]) -> None:
+        for rollout in rollouts:
+            sequence = rollout.prompt + rollout.output
+            for a, b in zip(sequence, sequence[1:], strict=False):
+                self.followers.setdefault(a, set()).add(b)
+
+    def start(self, prompt: list[int]) -> None:
+        self.own = {}
+        self.last = -1
+        self.extend(prompt)
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            if self.last >= 0:
+                self.own.setdefault(self.last, set()).add(token)
+            self.last = token
+
+    def seen(self, before: int, token: int) -> bool:
+        return token in self.followers.get(before, ()) or token in self.own.get(before, ())
 
 
 class ReplayMethod(Protocol):
@@ -46,30 +80,119 @@ class NoDraft:
         pass
 
 
+@dataclass
+class CoverageTally:
+    """Prefetch coverage in replay: how often the real outcome was among the top-B predicted."""
+
+    budgets: list[int]
+    steps: int = 0
+    ceiling_hits: int = 0
+    hits: dict[int, int] = field(default_factory=dict)
+    bookkeeping_ns: list[int] = field(default_factory=list)  # outcome prediction + allocation
+    lookup_ns: list[int] = field(default_factory=list)       # one next-draft lookup
+    prefetch_ns: list[int] = field(default_factory=list)     # all lookups of one step at the main budget
+    hidden_ns: int = 0                                       # lookups that hits made unnecessary
+    spent_ns: int = 0
+
+    def value(self, budget: int) -> float:
+        return self.hits.get(budget, 0) / self.steps if self.steps else 0.0
+
+    @property
+    def ceiling(self) -> float:
+        return self.ceiling_hits / self.steps if self.steps else 0.0
+
+
 class NgramRLMethod:
     name = "ngramrl"
 
-    def __init__(self, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None) -> None:
+    def __init__(self, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
+                 prefetch: PrefetchConfig | None = None, budgets: list[int] | None = None) -> None:
         self.history = RolloutHistory(history)
         self.drafter = NgramDrafter(self.history, drafter)
+        self.prefetch = prefetch or PrefetchConfig()
+        self.calibration = AcceptanceCalibration(self.prefetch.prior_strength)
         self.request: RequestState | None = None
-        self.last_draft = None
+        self.last_draft: Draft | None = None
+        self.tally = CoverageTally(sorted(set(budgets or [])))
+        self._ceiling = _BigramHistory()
+        self._outcomes: list[Outcome] = []
+        self._prefetched: dict[tuple[int, int], Draft] = {}
+        self._outcome: tuple[int, int] | None = None
+        self._remaining = 0
 
     def add_history(self, rollouts: list[Rollout]) -> None:
         for rollout in rollouts:
             self.history.add_rollout(rollout.prompt_id, rollout.prompt, rollout.output, rollout.epoch)
+        if self.tally.budgets:
+            self._ceiling.add(rollouts)
 
     def start(self, rollout: Rollout) -> None:
         self.request = self.drafter.start(f"{rollout.prompt_id}/{rollout.epoch}/{rollout.sample}",
                                           rollout.prompt_id, rollout.prompt)
+        self._remaining = len(rollout.output)
+        self._outcome = None
+        self._prefetched = {}
+        if self.tally.budgets:
+            self._ceiling.start(rollout.prompt)
 
     def propose(self, k: int) -> list[int]:
         assert self.request is not None
-        self.last_draft = self.drafter.propose(self.request, k)
-        return self.last_draft.tokens
+        draft = self._prefetched.get(self._outcome) if self._prefetched else None
+        if draft is None:
+            begin = time.perf_counter_ns()
+            draft = self.drafter.lookup(self.request, k)
+            elapsed = time.perf_counter_ns() - begin
+            if self.tally.budgets:
+                self.tally.lookup_ns.append(elapsed)
+        else:
+            self.tally.hidden_ns += int(statistics.median(self.tally.lookup_ns[-64:] or [0]))
+        self.drafter.absorb(self.request)
+        self.last_draft = draft
+        self._prefetched = {}
+        if self.tally.budgets and draft is not None:
+            self._predict(draft, k)
+        return draft.tokens
+
+    def _predict(self, draft: Draft, k: int) -> None:
+        """What the prefetcher would do while this draft is verified (measured, and the lookups
+        at the main budget really run so their drafts are the next ones on a hit)."""
+        begin = time.perf_counter_ns()
+        chances = [self.calibration.chance(i, p) for i, p in enumerate(draft.probs)]
+        index = self.drafter._sync(self.request) if self.request.known else None
+        if index is None:
+            self._outcomes = []
+        else:
+            top = max(self.tally.budgets)
+            self._outcomes = allocate({"r": predict_outcomes(index, self.request.match, draft, chances, top,
+                                                             self.prefetch.levels)},
+                                      PrefetchConfig(budget=top, levels=self.prefetch.levels))["r"]
+        self.tally.bookkeeping_ns.append(time.perf_counter_ns() - begin)
+        begin = time.perf_counter_ns()
+        for outcome in self._outcomes[:self.prefetch.budget]:
+            after = draft.tokens[:outcome.accepted] + [outcome.token]
+            self._prefetched[outcome.key] = self.drafter.lookup(self.request, k, after)
+        spent = time.perf_counter_ns() - begin
+        self.tally.prefetch_ns.append(spent)
+        self.tally.spent_ns += spent
 
     def commit(self, tokens: list[int]) -> None:
         assert self.request is not None
+        draft = self.last_draft
+        accepted = len(tokens) - 1
+        self._remaining -= len(tokens)
+        if draft is not None and accepted <= len(draft.tokens) and tokens[:accepted] == draft.tokens[:accepted]:
+            self.calibration.observe(draft.probs, accepted)
+        self._outcome = (accepted, tokens[-1])
+        if self.tally.budgets:
+            if self._remaining > 0:  # the rollout goes on, so a next draft is needed
+                self.tally.steps += 1
+                rank = next((i for i, o in enumerate(self._outcomes) if o.key == self._outcome), None)
+                for budget in self.tally.budgets:
+                    if rank is not None and rank < budget:
+                        self.tally.hits[budget] = self.tally.hits.get(budget, 0) + 1
+                context_last = tokens[-2] if len(tokens) > 1 else self._ceiling.last
+                self.tally.ceiling_hits += self._ceiling.seen(context_last, tokens[-1])
+            self._ceiling.extend(tokens)
         self.drafter.commit(self.request, tokens)
 
     def finish(self) -> None:
@@ -288,9 +411,10 @@ class PromptOracleMethod(OracleMethod):
 METHOD_NAMES = ("ngramrl", "suffix", "pld", "none", "oracle", "oracle-prompt")
 
 
-def make_method(name: str, drafter: DrafterConfig | None = None, history: HistoryConfig | None = None) -> ReplayMethod:
+def make_method(name: str, drafter: DrafterConfig | None = None, history: HistoryConfig | None = None,
+                prefetch: PrefetchConfig | None = None, budgets: list[int] | None = None) -> ReplayMethod:
     if name == "ngramrl":
-        return NgramRLMethod(history, drafter)
+        return NgramRLMethod(history, drafter, prefetch, budgets)
     if name == "suffix":
         return SuffixMethod()
     if name == "pld":

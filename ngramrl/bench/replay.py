@@ -56,7 +56,7 @@ class ReplayResult:
 
 def accepted_prefix(draft: list[int], truth: list[int]) -> int:
     n = 0
-    for a, b in zip(draft, truth):
+    for a, b in zip(draft, truth, strict=False):
         if a != b:
             break
         n += 1

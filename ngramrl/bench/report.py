@@ -35,8 +35,9 @@ def format_table(results: list[ReplayResult]) -> str:
         draft_us = (f"{r.draft_us_per_step:.1f}" if r.draft_us_per_step is not None
                     and not r.method.startswith("oracle") else "-")
         lines.append(
-            f"{r.workload:<16} {os.path.basename(r.trace)[:34]:<34} {r.k:>3} {r.method:<13} {r.tokens_per_forward:>8.3f} "
-            f"{vs_suffix:>8} {vs_pld:>7} {of_oracle:>8} {of_prompt_oracle:>8} {coverage:>11} {draft_us:>9}"
+            f"{r.workload:<16} {os.path.basename(r.trace)[:34]:<34} {r.k:>3} {r.method:<13} "
+            f"{r.tokens_per_forward:>8.3f} {vs_suffix:>8} {vs_pld:>7} {of_oracle:>8} {of_prompt_oracle:>8} "
+            f"{coverage:>11} {draft_us:>9}"
         )
     lines.append("x suffix, x pld: tokens per forward over that method's. % oracle: over the ceiling's (best run "
                  "after a one-token match anywhere in the allowed history); % p-orcl: over the same, limited to the "

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass, field
 
-from ngramrl.bench.methods import METHOD_NAMES, make_method
+from ngramrl.bench.methods import METHOD_NAMES, CoverageTally, NgramRLMethod, make_method
 from ngramrl.bench.replay import ReplayResult, replay
-from ngramrl.config import DrafterConfig, HistoryConfig
+from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.trace import Trace, read_trace
 
 
@@ -23,6 +24,7 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: list(METHOD_NAMES))
     ks: list[int] = field(default_factory=lambda: [16])
     budget: int = 16
+    sweep: list[int] = field(default_factory=list)  # extra budgets whose coverage is also measured
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     history: HistoryConfig = field(default_factory=HistoryConfig)
 
@@ -37,6 +39,25 @@ class BenchConfig:
                 raise ValueError(f"--k must be >= 1, got {k}")
         if self.budget < 1:
             raise ValueError(f"--budget must be >= 1, got {self.budget}")
+
+
+def _median_us(values: list[int]) -> float | None:
+    return round(statistics.median(values) / 1000, 3) if values else None
+
+
+def coverage_report(tally: CoverageTally, budget: int) -> dict:
+    """The contract's coverage object, extended with the sweep and the prefetcher's own costs."""
+    return {
+        "budget": budget,
+        "value": round(tally.value(budget), 4),
+        "ceiling": round(tally.ceiling, 4),
+        "steps": tally.steps,
+        "sweep": {str(b): round(tally.value(b), 4) for b in tally.budgets},
+        "bookkeeping_us_per_step": _median_us(tally.bookkeeping_ns),
+        "lookup_us": _median_us(tally.lookup_ns),
+        "prefetch_us_per_step": _median_us(tally.prefetch_ns),
+        "hidden_over_spent": round(tally.hidden_ns / tally.spent_ns, 4) if tally.spent_ns else None,
+    }
 
 
 def drafter_for(trace: Trace, base: DrafterConfig) -> DrafterConfig:
@@ -78,7 +99,12 @@ def run_bench(config: BenchConfig, progress: bool = True) -> list[ReplayResult]:
         for k in config.ks:
             for name in config.methods:
                 bar.set_postfix_str(f"{trace.workload} k={k} {name}")
-                method = make_method(name, drafter_for(trace, config.drafter), config.history)
-                results.append(replay(trace, method, k, trace.path, on_rollout=lambda: bar.update(1)))
+                budgets = sorted({config.budget, *config.sweep})
+                method = make_method(name, drafter_for(trace, config.drafter), config.history,
+                                     PrefetchConfig(budget=config.budget), budgets)
+                result = replay(trace, method, k, trace.path, on_rollout=lambda: bar.update(1))
+                if isinstance(method, NgramRLMethod):
+                    result.coverage = coverage_report(method.tally, config.budget)
+                results.append(result)
     bar.close()
     return results

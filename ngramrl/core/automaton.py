@@ -21,7 +21,7 @@ NO_TOKEN = -1
 
 class SuffixAutomaton:
     __slots__ = ("next", "link", "length", "count", "best_token", "best_state", "followed", "num_tokens",
-                 "num_sequences")
+                 "num_sequences", "_ranked")
 
     def __init__(self) -> None:
         # Transitions: most states have exactly one continuation, kept only in best_token/best_state;
@@ -35,6 +35,9 @@ class SuffixAutomaton:
         self.followed: list[int] = [0]           # occurrences that some token followed
         self.num_tokens = 0
         self.num_sequences = 0
+        # state -> (followed[state] when ranked, continuations ranked): ``followed`` grows whenever
+        # any continuation of the state does, so it stamps the ranking's freshness exactly.
+        self._ranked: dict[int, tuple[int, list[tuple[int, int]]]] = {}
 
     @property
     def num_states(self) -> int:
@@ -179,6 +182,16 @@ class SuffixAutomaton:
         return state, matched
 
     def continuations(self, state: int) -> list[tuple[int, int]]:
-        """All (token, count) that followed this state, most frequent first."""
+        """All (token, count) that followed this state, most frequent first (cached until it changes)."""
+        stamp = self.followed[state]
+        cached = self._ranked.get(state)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
         count = self.count
-        return sorted(((t, count[u]) for t, u in self.children(state).items()), key=lambda tc: -tc[1])
+        children = self.next[state]
+        if children is None:
+            token = self.best_token[state]
+            return [] if token < 0 else [(token, count[self.best_state[state]])]
+        ranked = sorted(((t, count[u]) for t, u in children.items()), key=lambda tc: -tc[1])
+        self._ranked[state] = (stamp, ranked)
+        return ranked

@@ -92,7 +92,8 @@ class NgramDrafter:
 
     # -- request life cycle -----------------------------------------------------------------
 
-    def start(self, request_id: str, prompt_id: str, prompt: list[int], output: list[int] | None = None) -> RequestState:
+    def start(self, request_id: str, prompt_id: str, prompt: list[int],
+              output: list[int] | None = None) -> RequestState:
         request = RequestState(request_id, prompt_id, list(prompt), list(output or []))
         request.known = self.history.begin_live(prompt_id, request_id, request.output)
         if request.known:

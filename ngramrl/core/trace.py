@@ -10,8 +10,9 @@ import gzip
 import io
 import json
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 TRACE_VERSION = 1
 FINISH_REASONS = ("stop", "length")

@@ -74,7 +74,7 @@ class Verification:
     def committed(self, drafts: torch.Tensor) -> list[list[int]]:
         """Per row: the accepted draft tokens followed by the emitted token."""
         out = []
-        for row, (n, token) in enumerate(zip(self.accepted.tolist(), self.emitted.tolist())):
+        for row, (n, token) in enumerate(zip(self.accepted.tolist(), self.emitted.tolist(), strict=True)):
             out.append(drafts[row, :n].tolist() + [token])
         return out
 

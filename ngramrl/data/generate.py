@@ -89,7 +89,7 @@ def generate_trace(config: GenerationConfig, tasks: list[Task], progress: bool =
                     top_p=config.top_p, top_k=0, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
                 )
             generated = out[:, batch["input_ids"].shape[1]:].tolist()
-            for (pid, sample), tokens in zip(chunk, generated):
+            for (pid, sample), tokens in zip(chunk, generated, strict=True):
                 cut = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), None)
                 output = tokens[:cut] if cut else tokens
                 new_tokens += len(output)

@@ -1,0 +1,168 @@
+"""Predicting verification outcomes, and spending a prefetch budget on the likeliest.
+
+An outcome of verifying draft d_1..d_k is (j, b): j accepted tokens, then the token b the target
+emits (a correction, never d_{j+1}, when j < k; the bonus token when j = k).
+
+- P(j) comes from per-position acceptance chances: the drafter's own estimate for each drafted
+  token, calibrated by what was observed so far (``AcceptanceCalibration``). Calibration is
+  causal: it only learns from outcomes that already happened.
+- P(b | j) comes from the index: the continuations seen after the context plus d_1..d_j, without
+  d_{j+1} (it was rejected), backing off to shorter suffixes for the unseen mass (Witten-Bell).
+- ``allocate`` spends a budget of next-draft lookups on the most probable outcomes, per request
+  and optionally across a batch, so a confident request gets few candidates and an uncertain one
+  many. Outcomes are disjoint events, so the top-B set maximises the chance of a hit.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from ngramrl.config import PrefetchConfig
+from ngramrl.core.automaton import ROOT, SuffixAutomaton
+from ngramrl.core.drafter import Draft, MatchState
+
+
+@dataclass(frozen=True, order=True)
+class Outcome:
+    probability: float
+    accepted: int  # j
+    token: int     # b
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.accepted, self.token)
+
+
+def _position_bucket(position: int) -> int:
+    return position if position < 4 else 4 if position < 8 else 5
+
+
+class AcceptanceCalibration:
+    """Running acceptance rate per (draft position bucket, estimate decile), with the drafter's
+    estimate as the prior; one instance per workload (or per prompt) as the caller chooses."""
+
+    def __init__(self, prior_strength: float = 4.0) -> None:
+        self.prior_strength = prior_strength
+        self._table: dict[tuple[int, int], list[float]] = {}
+
+    def chance(self, position: int, estimate: float) -> float:
+        cell = self._table.get((_position_bucket(position), min(9, int(estimate * 10))))
+        if cell is None:
+            return estimate
+        accepted, trials = cell
+        return (accepted + self.prior_strength * estimate) / (trials + self.prior_strength)
+
+    def observe(self, probs: list[float], accepted: int) -> None:
+        """Learn from one verified draft: positions < accepted were accepted, position accepted was not."""
+        for position, estimate in enumerate(probs[:accepted + 1]):
+            cell = self._table.setdefault((_position_bucket(position), min(9, int(estimate * 10))), [0.0, 0.0])
+            cell[0] += position < accepted
+            cell[1] += 1
+
+
+def accepted_length_distribution(chances: list[float]) -> list[float]:
+    """P(j) for j = 0..k from per-position acceptance chances."""
+    out = []
+    survive = 1.0
+    for chance in chances:
+        out.append(survive * (1.0 - chance))
+        survive *= chance
+    out.append(survive)
+    return out
+
+
+def token_distribution(index: SuffixAutomaton, match: MatchState, exclude: int, levels: int,
+                       limit: int, floor: float = 0.0) -> list[tuple[float, int]]:
+    """Up to ``limit`` likeliest next tokens other than ``exclude`` with their probabilities,
+    interpolating the first ``levels`` suffix levels that have continuations (Witten-Bell).
+    Tokens whose probability is at most ``floor`` are left out."""
+    link, followed = index.link, index.followed
+    continuations = index.continuations
+    state = match.state
+    out: list[tuple[float, int]] = []
+    seen: set[int] = {exclude}
+    mass = 1.0
+    used = 0
+    while used < levels:
+        ranked = continuations(state)
+        if ranked:
+            used += 1
+            norm = followed[state] + len(ranked)
+            for token, count in ranked:
+                if token == exclude:
+                    norm -= count
+                    break
+            if norm <= 0:
+                break
+            taken = 0
+            scale = mass / norm
+            for token, count in ranked:
+                p = scale * count
+                if p <= floor:
+                    break
+                if token not in seen:
+                    seen.add(token)
+                    out.append((p, token))
+                    taken += 1
+                    if taken == limit:
+                        break
+            mass *= len(ranked) / norm
+            if mass <= floor:
+                break
+        if state == ROOT:
+            break
+        state = link[state]
+    if used > 1:
+        out.sort(reverse=True)
+    return out[:limit]
+
+
+def predict_outcomes(index: SuffixAutomaton, start: MatchState, draft: Draft, chances: list[float],
+                     limit: int, levels: int = 2) -> list[Outcome]:
+    """The ``limit`` most probable outcomes (j, b) of verifying ``draft`` from the context's match
+    state ``start``, most probable first."""
+    if limit <= 0:
+        return []
+    tokens = draft.tokens
+    chain = [(start.state, start.matched)]  # match states after tokens[:j], extended as needed
+    step = index.step
+    k = len(tokens)
+    p_accepted = accepted_length_distribution(chances)
+    best: list[tuple[float, int, int]] = []  # min-heap of the current top ``limit`` (p, j, b)
+    push, replace = heapq.heappush, heapq.heapreplace
+    for j in sorted(range(k + 1), key=p_accepted.__getitem__, reverse=True):
+        pj = p_accepted[j]
+        if len(best) == limit and pj <= best[0][0]:
+            break  # P(b | j) <= 1: no later j can enter the top set
+        while len(chain) <= j:
+            chain.append(step(*chain[-1], tokens[len(chain) - 1]))
+        match = MatchState(*chain[j])
+        floor = best[0][0] / pj if len(best) == limit else 0.0
+        for p_token, token in token_distribution(index, match, tokens[j] if j < k else -1, levels, limit, floor):
+            p = pj * p_token
+            if len(best) < limit:
+                push(best, (p, j, token))
+            elif p > best[0][0]:
+                replace(best, (p, j, token))
+            else:
+                break  # tokens come most likely first
+    best.sort(reverse=True)
+    return [Outcome(p, j, b) for p, j, b in best]
+
+
+def allocate(candidates: dict[str, list[Outcome]], config: PrefetchConfig) -> dict[str, list[Outcome]]:
+    """Choose outcomes to prefetch: at most ``budget`` per request and ``global_budget`` overall,
+    never below ``min_probability``, likeliest first across the batch."""
+    per_request = {
+        rid: [o for o in outcomes[:config.budget] if o.probability >= config.min_probability and o.probability > 0]
+        for rid, outcomes in candidates.items()
+    }
+    if config.global_budget is None:
+        return per_request
+    pool = heapq.nlargest(config.global_budget,
+                          ((o.probability, rid, i) for rid, outs in per_request.items() for i, o in enumerate(outs)))
+    chosen: dict[str, list[Outcome]] = {rid: [] for rid in per_request}
+    for _, rid, i in sorted(pool, key=lambda x: (x[1], x[2])):
+        chosen[rid].append(per_request[rid][i])
+    return chosen

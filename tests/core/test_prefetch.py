@@ -1,0 +1,210 @@
+"""The prefetcher changes when drafts are computed, never which: decoding is identical with it off,
+on at several budgets, and with lookup workers that are slow, raise, or answer late."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
+from ngramrl.core.drafter import NgramDrafter
+from ngramrl.core.history import RolloutHistory
+from ngramrl.core.outcome import (
+    AcceptanceCalibration,
+    Outcome,
+    accepted_length_distribution,
+    allocate,
+    predict_outcomes,
+)
+from ngramrl.core.prefetch import Prefetcher, ThreadLookupWorker
+from ngramrl.core.verifier import SamplingSettings, verify
+
+VOCAB = 40
+EOS = 1
+K = 6
+
+
+def toy_model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn((VOCAB, VOCAB, VOCAB), generator=g) * 3.0
+    table[..., EOS] -= 2.0
+    return table
+
+
+def logits_at(table, context):
+    return table[context[-2], context[-1]]
+
+
+def plain_rollout(table, prompt, temperature, seed, max_len):
+    g = torch.Generator().manual_seed(seed)
+    settings = SamplingSettings.uniform(1, temperature=temperature)
+    out = []
+    while len(out) < max_len:
+        logits = logits_at(table, prompt + out).view(1, 1, VOCAB)
+        token = int(verify(logits, torch.zeros((1, 0), dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                           settings, g).emitted[0])
+        out.append(token)
+        if token == EOS:
+            break
+    return out
+
+
+def warm_history(table, prompts, temperature):
+    history = RolloutHistory(HistoryConfig(prompt_tail=2))
+    for pid, prompt in prompts.items():
+        for sample in range(4):
+            history.add_rollout(pid, prompt, plain_rollout(table, prompt, temperature, 1000 + sample, 40), epoch=0)
+    return history
+
+
+class SlowWorker(ThreadLookupWorker):
+    async def lookup(self, request, after, k):
+        await asyncio.sleep(random.random() * 0.002)
+        return await super().lookup(request, after, k)
+
+
+class RaisingWorker(ThreadLookupWorker):
+    calls = 0
+
+    async def lookup(self, request, after, k):
+        RaisingWorker.calls += 1
+        if RaisingWorker.calls % 2:
+            raise RuntimeError("drafter shard died")
+        return await super().lookup(request, after, k)
+
+
+class LateWorker(ThreadLookupWorker):
+    async def lookup(self, request, after, k):
+        await asyncio.sleep(1.0)  # answers long after the outcome is known
+        return await super().lookup(request, after, k)
+
+
+async def decode(table, prompts, temperature, prefetch=None, worker_cls=None, max_len=40):
+    """Decode one sample per prompt, all requests stepping together; returns outputs and stats."""
+    history = warm_history(table, prompts, temperature)
+    drafter = NgramDrafter(history, DrafterConfig(max_draft=K, stop_tokens=(EOS,)))
+    prefetcher = None
+    if prefetch is not None:
+        worker = worker_cls(drafter) if worker_cls else None
+        prefetcher = Prefetcher(drafter, prefetch, worker)
+    settings = SamplingSettings.uniform(1, temperature=temperature)
+    requests = {pid: drafter.start(f"{pid}/live", pid, prompt) for pid, prompt in prompts.items()}
+    generators = {pid: torch.Generator().manual_seed(7 + i) for i, pid in enumerate(prompts)}
+    drafts = {pid: drafter.propose(request, K) for pid, request in requests.items()}
+    live = set(prompts)
+    drafted = 0
+    while live:
+        if prefetcher:
+            prefetcher.dispatch([(requests[pid], drafts[pid], K) for pid in sorted(live)])
+        await asyncio.sleep(0.001)  # the target's forward: prefetch lookups run meanwhile
+        for pid in sorted(live):
+            request, draft = requests[pid], drafts[pid]
+            context = prompts[pid] + request.output
+            tokens = draft.tokens[: K]
+            logits = torch.stack([logits_at(table, context + tokens[:i]) for i in range(len(tokens) + 1)])
+            padded = torch.tensor([tokens + [0] * (K - len(tokens))])
+            full = torch.cat([logits, logits[-1:].expand(K - len(tokens), VOCAB)]) if len(tokens) < K else logits
+            result = verify(full.unsqueeze(0), padded, torch.tensor([len(tokens)]), settings, generators[pid])
+            accepted, emitted = int(result.accepted[0]), int(result.emitted[0])
+            drafted += accepted
+            committed = tokens[:accepted] + [emitted]
+            done = EOS in committed or len(request.output) + len(committed) >= max_len
+            if prefetcher:
+                drafts[pid], _ = prefetcher.next_draft(request, accepted, emitted)
+            else:
+                drafter.commit(request, committed)
+                drafts[pid] = drafter.propose(request, K)
+            if done:
+                if prefetcher:
+                    prefetcher.cancel(request.request_id)
+                live.discard(pid)
+    outputs = {pid: request.output[:max_len] for pid, request in requests.items()}
+    return outputs, drafted, prefetcher.stats if prefetcher else None
+
+
+PROMPTS = {f"p{i}": [2 + i, 10 + i, 20 + i] for i in range(4)}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_outputs_identical_with_prefetch_off_on_and_faulty_workers(temperature):
+    table = toy_model()
+    reference, drafted, _ = asyncio.run(decode(table, PROMPTS, temperature))
+    assert drafted > 0, "the drafter must actually draft for this test to mean something"
+    configs = [(PrefetchConfig(budget=b), None) for b in (1, 4, 16)]
+    configs += [(PrefetchConfig(budget=8), SlowWorker), (PrefetchConfig(budget=8), RaisingWorker),
+                (PrefetchConfig(budget=8), LateWorker), (PrefetchConfig(budget=16, global_budget=5), None)]
+    hits = 0
+    for config, worker in configs:
+        outputs, _, stats = asyncio.run(decode(table, PROMPTS, temperature, config, worker))
+        assert outputs == reference, (config, worker)
+        hits += stats.hits
+        if worker is LateWorker:
+            assert stats.hits == 0 and stats.late > 0
+        if worker is RaisingWorker:
+            assert stats.failed > 0
+    assert hits > 0, "some outcomes must be served from the prefetch"
+
+
+def test_greedy_outputs_equal_plain_decoding():
+    table = toy_model(3)
+    outputs, _, _ = asyncio.run(decode(table, PROMPTS, 0.0, PrefetchConfig(budget=4)))
+    for pid, prompt in PROMPTS.items():
+        assert outputs[pid] == plain_rollout(table, prompt, 0.0, 0, 40)
+
+
+def test_prefetched_draft_is_the_draft_an_ordinary_lookup_makes():
+    table = toy_model(5)
+    history = warm_history(table, PROMPTS, 0.8)
+    drafter = NgramDrafter(history, DrafterConfig(max_draft=K))
+    request = drafter.start("r", "p0", PROMPTS["p0"])
+    draft = drafter.propose(request, K)
+    for j in range(len(draft.tokens) + 1):
+        for b in range(0, VOCAB, 7):
+            ahead = drafter.lookup(request, K, draft.tokens[:j] + [b])
+            twin = drafter.start("twin", "p0", PROMPTS["p0"], output=list(request.output))
+            drafter.commit(twin, draft.tokens[:j] + [b])
+            assert drafter.lookup(twin, K).tokens == ahead.tokens
+            drafter.finish(twin)
+
+
+def test_accepted_length_distribution_sums_to_one():
+    dist = accepted_length_distribution([0.9, 0.5, 0.2])
+    assert dist == pytest.approx([0.1, 0.45, 0.36, 0.09])
+    assert sum(accepted_length_distribution([])) == 1.0
+
+
+def test_predicted_outcomes_never_include_the_rejected_draft_token_and_are_sorted():
+    table = toy_model(6)
+    history = warm_history(table, PROMPTS, 1.0)
+    drafter = NgramDrafter(history, DrafterConfig(max_draft=K))
+    request = drafter.start("r", "p1", PROMPTS["p1"])
+    draft = drafter.propose(request, K)
+    assert draft.tokens
+    index = history.index_of("p1")
+    outcomes = predict_outcomes(index, request.match, draft, draft.probs, 16)
+    assert 0 < len(outcomes) <= 16
+    probabilities = [o.probability for o in outcomes]
+    assert probabilities == sorted(probabilities, reverse=True) and sum(probabilities) <= 1.0 + 1e-9
+    for outcome in outcomes:
+        if outcome.accepted < len(draft.tokens):
+            assert outcome.token != draft.tokens[outcome.accepted]
+
+
+def test_allocation_follows_uncertainty_under_a_global_budget():
+    confident = [Outcome(0.9, 3, 5), Outcome(0.05, 0, 7), Outcome(0.01, 1, 2)]
+    uncertain = [Outcome(0.1, 0, t) for t in range(8)]
+    chosen = allocate({"a": confident, "b": uncertain}, PrefetchConfig(budget=16, global_budget=6))
+    assert chosen["a"] == [confident[0]]
+    assert len(chosen["b"]) == 5
+    per_request = allocate({"a": confident, "b": uncertain}, PrefetchConfig(budget=2, min_probability=0.02))
+    assert per_request["a"] == confident[:2] and per_request["b"] == uncertain[:2]
+
+
+def test_calibration_learns_from_outcomes_only():
+    calibration = AcceptanceCalibration(prior_strength=2.0)
+    assert calibration.chance(0, 0.8) == 0.8
+    for _ in range(50):
+        calibration.observe([0.8, 0.8], accepted=0)  # the first token keeps being rejected
+    assert calibration.chance(0, 0.8) < 0.1
+    assert calibration.chance(1, 0.8) == 0.8  # position 1 was never tried
