@@ -10,17 +10,22 @@ from ngramrl.core.trace import TraceError
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ngramrl.bench.report import format_table, plot_tokens_per_forward, write_json
-    from ngramrl.bench.run import BenchConfig, builtin_traces, measure_history_memory, run_bench
+    from ngramrl.bench.report import format_sweep, format_table, plot_coverage, plot_tokens_per_forward, write_json
+    from ngramrl.bench.run import SWEEP_BUDGETS, BenchConfig, builtin_traces, measure_history_memory, run_bench
     from ngramrl.core.trace import read_trace
 
     traces = args.traces or builtin_traces()
     if not args.traces:
         print(f"no trace given: replaying the {len(traces)} traces shipped with ngramrl", file=sys.stderr)
     config = BenchConfig(traces=traces, methods=args.method or BenchConfig.__dataclass_fields__["methods"]
-                         .default_factory(), ks=args.k or [16], budget=args.budget)
+                         .default_factory(), ks=args.k or [16], budget=args.budget,
+                         sweep=SWEEP_BUDGETS if args.sweep or args.coverage_plot else [])
     results = run_bench(config, progress=not args.no_progress)
     print(format_table(results))
+    sweep = format_sweep(results)
+    if sweep:
+        print()
+        print(sweep)
     memory = {}
     if "ngramrl" in config.methods:
         for path in config.traces:
@@ -33,6 +38,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot_tokens_per_forward(results, args.plot, config.ks[0])
         print(f"wrote {args.plot}")
+    if args.coverage_plot:
+        plot_coverage(results, args.coverage_plot)
+        print(f"wrote {args.coverage_plot}")
     return 0
 
 
@@ -64,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--budget", type=int, default=16, help="prefetch candidates per request per step")
     bench.add_argument("--json", help="also write the results as JSON here")
     bench.add_argument("--plot", help="write a PNG of tokens per forward by method and trace")
+    bench.add_argument("--sweep", action="store_true",
+                       help="also measure prefetch coverage at budgets " + ",".join(map(str, [1, 2, 4, 8, 16, 32, 64])))
+    bench.add_argument("--coverage-plot", help="write a PNG of coverage against budget (implies --sweep)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 

@@ -39,6 +39,14 @@ def format_table(results: list[ReplayResult]) -> str:
             f"{r.tokens_per_forward:>8.3f} {vs_suffix:>8} {vs_pld:>7} {of_oracle:>8} {of_prompt_oracle:>8} "
             f"{coverage:>11} {draft_us:>9}"
         )
+    for r in results:
+        c = r.coverage
+        if c and c.get("bookkeeping_us_per_step") is not None:
+            lines.append(
+                f"prefetch {os.path.basename(r.trace).split('.jsonl')[0]} k={r.k} B={c['budget']}: coverage "
+                f"{c['value']:.3f} of ceiling {c['ceiling']:.3f} ({100 * c['value'] / max(c['ceiling'], 1e-9):.0f}%); "
+                f"outcome model + allocation {c['bookkeeping_us_per_step']:.1f} us/step, one lookup "
+                f"{c['lookup_us']:.1f} us, prefetch lookups {c['prefetch_us_per_step']:.1f} us/step")
     lines.append("x suffix, x pld: tokens per forward over that method's. % oracle: over the ceiling's (best run "
                  "after a one-token match anywhere in the allowed history); % p-orcl: over the same, limited to the "
                  "same prompt's earlier rollouts.")
@@ -69,22 +77,67 @@ def plot_tokens_per_forward(results: list[ReplayResult], path: str, k: int) -> N
     methods = list(dict.fromkeys(r.method for r in results if r.k == k))
     width = 0.8 / max(1, len(methods))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(traces) + 2), 4.2))
-    colors = {"ngramrl": "#d62728", "suffix": "#1f77b4", "pld": "#2ca02c", "none": "#7f7f7f", "oracle": "#bbbbbb"}
+    colors = {"ngramrl": "#d62728", "suffix": "#1f77b4", "pld": "#2ca02c", "none": "#7f7f7f", "oracle": "#bbbbbb",
+              "oracle-prompt": "#e8e8e8"}
+    top = 0.0
     for i, method in enumerate(methods):
         values = []
         for trace in traces:
             r = _by(results, method, trace, k)
             values.append(r.tokens_per_forward if r else 0.0)
+        top = max(top, *values)
         xs = [t + (i - (len(methods) - 1) / 2) * width for t in range(len(traces))]
         ax.bar(xs, values, width, label=method, color=colors.get(method),
-               hatch="//" if method == "oracle" else None, edgecolor="black", linewidth=0.4)
+               hatch="//" if method.startswith("oracle") else None, edgecolor="black", linewidth=0.4)
     labels = [os.path.basename(trace).split(".jsonl")[0] for trace in traces]
     ax.set_xticks(range(len(traces)))
     ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("tokens per target forward")
     ax.set_title(f"Replay: tokens committed per forward (k={k}, warm history)")
-    ax.legend(fontsize=8, ncol=len(methods))
+    ax.set_ylim(0, top * 1.3)
+    ax.legend(fontsize=8, ncol=3, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_sweep(results: list[ReplayResult]) -> str:
+    """Coverage against prefetch budget, one row per trace, with the ceiling."""
+    rows = [r for r in results if r.method == "ngramrl" and r.coverage and r.coverage.get("sweep")]
+    if not rows:
+        return ""
+    budgets = list(rows[0].coverage["sweep"])
+    header = f"{'coverage at budget B':<34} " + " ".join(f"{'B=' + b:>7}" for b in budgets) + f" {'ceiling':>8}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        values = " ".join(f"{r.coverage['sweep'][b]:>7.3f}" for b in budgets)
+        lines.append(f"{os.path.basename(r.trace).split('.jsonl')[0][:34]:<34} {values} {r.coverage['ceiling']:>8.3f}")
+    return "\n".join(lines)
+
+
+def plot_coverage(results: list[ReplayResult], path: str) -> None:
+    """Prefetch coverage against candidate budget per trace, ceilings dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results if r.method == "ngramrl" and r.coverage and r.coverage.get("sweep")]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, r in enumerate(rows):
+        budgets = [int(b) for b in r.coverage["sweep"]]
+        color = f"C{i}"
+        label = os.path.basename(r.trace).split(".jsonl")[0]
+        ax.plot(budgets, list(r.coverage["sweep"].values()), marker="o", color=color, label=label)
+        ax.axhline(r.coverage["ceiling"], color=color, linestyle="--", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prefetch budget B (next-draft lookups per request per step)")
+    ax.set_ylabel("coverage (next draft ready)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Prefetch coverage vs budget (dashed: ceiling)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
