@@ -57,6 +57,7 @@ class ReplayMethod(Protocol):
     def add_history(self, rollouts: list[Rollout]) -> None: ...
     def start(self, rollout: Rollout) -> None: ...
     def propose(self, k: int) -> list[int]: ...
+    def background(self) -> None: ...
     def commit(self, tokens: list[int]) -> None: ...
     def finish(self) -> None: ...
 
@@ -72,6 +73,9 @@ class NoDraft:
 
     def propose(self, k: int) -> list[int]:
         return []
+
+    def background(self) -> None:
+        pass
 
     def commit(self, tokens: list[int]) -> None:
         pass
@@ -91,8 +95,13 @@ class CoverageTally:
     bookkeeping_ns: list[int] = field(default_factory=list)  # outcome prediction + allocation
     lookup_ns: list[int] = field(default_factory=list)       # one next-draft lookup
     prefetch_ns: list[int] = field(default_factory=list)     # all lookups of one step at the main budget
-    hidden_ns: int = 0                                       # lookups that hits made unnecessary
+    prefetch_hits: int = 0                                   # steps whose next draft came from the prefetch
     spent_ns: int = 0
+
+    @property
+    def hidden_ns(self) -> float:
+        """Lookup time the hits took off the critical path (hits x the median ordinary lookup)."""
+        return self.prefetch_hits * statistics.median(self.lookup_ns) if self.lookup_ns else 0.0
 
     def value(self, budget: int) -> float:
         return self.hits.get(budget, 0) / self.steps if self.steps else 0.0
@@ -119,6 +128,8 @@ class NgramRLMethod:
         self._prefetched: dict[tuple[int, int], Draft] = {}
         self._outcome: tuple[int, int] | None = None
         self._remaining = 0
+        self._k = 0
+        self._settled: tuple[Draft | None, list[int], int] | None = None
 
     def add_history(self, rollouts: list[Rollout]) -> None:
         for rollout in rollouts:
@@ -145,13 +156,37 @@ class NgramRLMethod:
             if self.tally.budgets:
                 self.tally.lookup_ns.append(elapsed)
         else:
-            self.tally.hidden_ns += int(statistics.median(self.tally.lookup_ns[-64:] or [0]))
+            self.tally.prefetch_hits += 1
         self.drafter.absorb(self.request)
         self.last_draft = draft
         self._prefetched = {}
-        if self.tally.budgets and draft is not None:
-            self._predict(draft, k)
+        self._k = k
         return draft.tokens
+
+    def background(self) -> None:
+        """While the target verifies the draft: what the prefetcher does (not counted as drafting)."""
+        if self._settled is not None:
+            self._learn(*self._settled)
+            self._settled = None
+        if self.tally.budgets and self.last_draft is not None:
+            self._predict(self.last_draft, self._k)
+
+    def _learn(self, draft: Draft | None, tokens: list[int], remaining: int) -> None:
+        """Calibrate on the previous step's outcome and score its prediction."""
+        accepted = len(tokens) - 1
+        if draft is not None and accepted <= len(draft.tokens) and tokens[:accepted] == draft.tokens[:accepted]:
+            self.calibration.observe(draft.probs, accepted)
+        if not self.tally.budgets:
+            return
+        if remaining > 0:  # the rollout goes on, so a next draft is needed
+            self.tally.steps += 1
+            rank = next((i for i, o in enumerate(self._outcomes) if o.key == (accepted, tokens[-1])), None)
+            for budget in self.tally.budgets:
+                if rank is not None and rank < budget:
+                    self.tally.hits[budget] = self.tally.hits.get(budget, 0) + 1
+            context_last = tokens[-2] if len(tokens) > 1 else self._ceiling.last
+            self.tally.ceiling_hits += self._ceiling.seen(context_last, tokens[-1])
+        self._ceiling.extend(tokens)
 
     def _predict(self, draft: Draft, k: int) -> None:
         """What the prefetcher would do while this draft is verified (measured, and the lookups
@@ -177,25 +212,15 @@ class NgramRLMethod:
 
     def commit(self, tokens: list[int]) -> None:
         assert self.request is not None
-        draft = self.last_draft
-        accepted = len(tokens) - 1
+        self._outcome = (len(tokens) - 1, tokens[-1])
         self._remaining -= len(tokens)
-        if draft is not None and accepted <= len(draft.tokens) and tokens[:accepted] == draft.tokens[:accepted]:
-            self.calibration.observe(draft.probs, accepted)
-        self._outcome = (accepted, tokens[-1])
-        if self.tally.budgets:
-            if self._remaining > 0:  # the rollout goes on, so a next draft is needed
-                self.tally.steps += 1
-                rank = next((i for i, o in enumerate(self._outcomes) if o.key == self._outcome), None)
-                for budget in self.tally.budgets:
-                    if rank is not None and rank < budget:
-                        self.tally.hits[budget] = self.tally.hits.get(budget, 0) + 1
-                context_last = tokens[-2] if len(tokens) > 1 else self._ceiling.last
-                self.tally.ceiling_hits += self._ceiling.seen(context_last, tokens[-1])
-            self._ceiling.extend(tokens)
+        self._settled = (self.last_draft, tokens, self._remaining)
         self.drafter.commit(self.request, tokens)
 
     def finish(self) -> None:
+        if self._settled is not None:
+            self._learn(*self._settled)
+            self._settled = None
         # Same-epoch rollouts must not see each other: drop this one; add_history adds the epoch later.
         assert self.request is not None
         self.drafter.finish(self.request, epoch=None)
@@ -243,6 +268,9 @@ class SuffixMethod:
         draft = self.cache.speculate(self.request_id, self.context[-self.depth:], max_spec_tokens=k,
                                      max_spec_factor=self.max_spec_factor, min_token_prob=self.min_token_prob)
         return list(draft.token_ids)
+
+    def background(self) -> None:
+        pass
 
     def commit(self, tokens: list[int]) -> None:
         self.context.extend(tokens)
@@ -303,6 +331,9 @@ class PromptLookupMethod:
 
     def propose(self, k: int) -> list[int]:
         return prompt_lookup(self.context, self.min_ngram, self.max_ngram, k)
+
+    def background(self) -> None:
+        pass
 
     def commit(self, tokens: list[int]) -> None:
         self.context.extend(tokens)
@@ -374,6 +405,9 @@ class OracleMethod:
                     if best == len(future):
                         break
         return future[:best]
+
+    def background(self) -> None:
+        pass
 
     def commit(self, tokens: list[int]) -> None:
         for token in tokens:

@@ -86,6 +86,7 @@ def replay(
                     begin = clock()
                     draft = method.propose(k)
                     result.step_ns.append(clock() - begin)
+                    method.background()  # overlaps the target's forward: not drafting time
                     accepted = accepted_prefix(draft[:k], output[position:])
                     committed = output[position:position + accepted + 1]
                     if on_step is not None:

@@ -75,6 +75,7 @@ class RequestState:
     pending: list[int] = field(default_factory=list)  # committed, not yet in the index
     global_index: SuffixAutomaton | None = None
     global_match: MatchState = field(default_factory=MatchState)
+    layout: int = -1  # history layout the index references were checked under
 
 
 def advance(index: SuffixAutomaton, match: MatchState, tokens: list[int]) -> MatchState:
@@ -109,8 +110,11 @@ class NgramDrafter:
         index = self._sync(request)
         request.match = advance(index, request.match, tokens)
         request.pending = list(tokens)
-        if request.global_index is not None and request.global_index is self.history.global_index():
-            request.global_match = advance(request.global_index, request.global_match, tokens)
+        if request.global_index is not None and self.config.use_global:
+            if request.global_index is self.history.global_index():
+                request.global_match = advance(request.global_index, request.global_match, tokens)
+            else:
+                request.global_index = None  # re-matched on the next lookup
 
     def absorb(self, request: RequestState) -> None:
         """Add the request's committed tokens to its prompt's index (after its next draft is made)."""
@@ -131,6 +135,9 @@ class NgramDrafter:
 
     def _sync(self, request: RequestState) -> SuffixAutomaton:
         """The prompt's current index; the match state is recomputed if the index was rebuilt."""
+        if request.layout == self.history.layout and request.index is not None:
+            return request.index
+        request.layout = self.history.layout
         index = self.history.index_of(request.prompt_id)
         assert index is not None
         if index is not request.index:
@@ -171,7 +178,7 @@ class NgramDrafter:
 
     def walk(self, index: SuffixAutomaton, match: MatchState, k: int, source: str) -> Draft:
         """Follow the most frequent continuation from a match (backing off where occurrences end)."""
-        link, length, count, num_children = index.link, index.length, index.count, index.num_children
+        link, length, count, nxt = index.link, index.length, index.count, index.next
         best_token, best_state, followed = index.best_token, index.best_state, index.followed
         min_match = self.config.min_match
         state, matched = match.state, min(match.matched, index.length[match.state])
@@ -188,7 +195,8 @@ class NgramDrafter:
         while True:
             token, child = best_token[state], best_state[state]
             # Witten-Bell: unseen continuations get the mass of one per distinct token seen.
-            p = count[child] / (followed[state] + num_children(state))
+            children = nxt[state]
+            p = count[child] / (followed[state] + (1 if children is None else len(children)))
             survive *= p
             if survive < floor:
                 break

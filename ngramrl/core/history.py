@@ -43,6 +43,9 @@ class RolloutHistory:
         self._stored = 0
         self.evicted_prompts = 0
         self.rebuilds = 0
+        # Bumped whenever an index may be replaced (window trim, discard, eviction): a request whose
+        # match state was computed under the same layout can skip re-validating it.
+        self.layout = 0
         # Cross-prompt index over every stored rollout; rebuilt lazily after evictions.
         self._global: SuffixAutomaton | None = None
         self.global_builds = 0
@@ -86,11 +89,14 @@ class RolloutHistory:
         if self._trim_window(entry):
             entry.index = None  # rebuilt lazily on the next lookup
             self._global = None
+            self.layout += 1
         else:
             if index_it and entry.index is not None:
                 entry.index.add_sequence(self.sequence(entry.prompt, tokens))
             if self._global is not None:
                 self._global.add_sequence(self.sequence(entry.prompt, tokens))
+            elif index_it:
+                self.layout += 1  # a new cross-prompt index will be built
         self._enforce_cap()
 
     def _trim_window(self, entry: PromptHistory) -> bool:
@@ -110,6 +116,7 @@ class RolloutHistory:
             self._stored -= entry.stored_tokens
             self.evicted_prompts += 1
             self._global = None
+            self.layout += 1
 
     def sequence(self, prompt: list[int], output: list[int]) -> list[int]:
         """What is indexed for an output: the prompt's last tokens first, so its opening is draftable."""
@@ -155,6 +162,7 @@ class RolloutHistory:
         if epoch is None:
             if tokens or entry.index is not None:
                 entry.index = None
+                self.layout += 1
         else:
             self._store(entry, epoch, tokens, index_it=False)
 
