@@ -92,7 +92,8 @@ class CoverageTally:
     steps: int = 0
     ceiling_hits: int = 0
     hits: dict[int, int] = field(default_factory=dict)
-    bookkeeping_ns: list[int] = field(default_factory=list)  # outcome prediction + allocation
+    model_ns: list[int] = field(default_factory=list)        # outcome model: predicting (j, b)
+    bookkeeping_ns: list[int] = field(default_factory=list)  # allocation and prefetch-cache bookkeeping
     lookup_ns: list[int] = field(default_factory=list)       # one next-draft lookup
     prefetch_ns: list[int] = field(default_factory=list)     # all lookups of one step at the main budget
     prefetch_hits: int = 0                                   # steps whose next draft came from the prefetch
@@ -123,6 +124,7 @@ class NgramRLMethod:
         self.request: RequestState | None = None
         self.last_draft: Draft | None = None
         self.tally = CoverageTally(sorted(set(budgets or [])))
+        self._sweep_allocation = PrefetchConfig(budget=max(self.tally.budgets or [0]), levels=self.prefetch.levels)
         self._ceiling = _BigramHistory()
         self._outcomes: list[Outcome] = []
         self._prefetched: dict[tuple[int, int], Draft] = {}
@@ -194,18 +196,17 @@ class NgramRLMethod:
         begin = time.perf_counter_ns()
         chances = [self.calibration.chance(i, p) for i, p in enumerate(draft.probs)]
         index = self.drafter._sync(self.request) if self.request.known else None
-        if index is None:
-            self._outcomes = []
-        else:
-            top = max(self.tally.budgets)
-            self._outcomes = allocate({"r": predict_outcomes(index, self.request.match, draft, chances, top,
-                                                             self.prefetch.levels)},
-                                      PrefetchConfig(budget=top, levels=self.prefetch.levels))["r"]
+        top = max(self.tally.budgets)
+        predicted = [] if index is None else predict_outcomes(index, self.request.match, draft, chances, top,
+                                                               self.prefetch.levels)
+        self.tally.model_ns.append(time.perf_counter_ns() - begin)
+        begin = time.perf_counter_ns()
+        self._outcomes = allocate({"r": predicted}, self._sweep_allocation)["r"]
+        keys = [outcome.key for outcome in self._outcomes[:self.prefetch.budget]]
         self.tally.bookkeeping_ns.append(time.perf_counter_ns() - begin)
         begin = time.perf_counter_ns()
-        for outcome in self._outcomes[:self.prefetch.budget]:
-            after = draft.tokens[:outcome.accepted] + [outcome.token]
-            self._prefetched[outcome.key] = self.drafter.lookup(self.request, k, after)
+        for j, b in keys:
+            self._prefetched[(j, b)] = self.drafter.lookup(self.request, k, draft.tokens[:j] + [b])
         spent = time.perf_counter_ns() - begin
         self.tally.prefetch_ns.append(spent)
         self.tally.spent_ns += spent

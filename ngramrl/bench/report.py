@@ -45,8 +45,9 @@ def format_table(results: list[ReplayResult]) -> str:
             lines.append(
                 f"prefetch {os.path.basename(r.trace).split('.jsonl')[0]} k={r.k} B={c['budget']}: coverage "
                 f"{c['value']:.3f} of ceiling {c['ceiling']:.3f} ({100 * c['value'] / max(c['ceiling'], 1e-9):.0f}%); "
-                f"outcome model + allocation {c['bookkeeping_us_per_step']:.1f} us/step, one lookup "
-                f"{c['lookup_us']:.1f} us, prefetch lookups {c['prefetch_us_per_step']:.1f} us/step")
+                f"outcome model {c['model_us_per_step']:.1f} us/step, allocation + cache "
+                f"{c['bookkeeping_us_per_step']:.1f} us/step, ordinary lookup {c['lookup_us']:.1f} us, "
+                f"prefetch lookups {c['prefetch_us_per_step']:.1f} us/step")
     lines.append("x suffix, x pld: tokens per forward over that method's. % oracle: over the ceiling's (best run "
                  "after a one-token match anywhere in the allowed history); % p-orcl: over the same, limited to the "
                  "same prompt's earlier rollouts.")

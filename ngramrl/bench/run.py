@@ -54,6 +54,7 @@ def coverage_report(tally: CoverageTally, budget: int) -> dict:
         "value": round(tally.value(budget), 4),
         "ceiling": round(tally.ceiling, 4),
         "steps": tally.steps,
+        "model_us_per_step": _median_us(tally.model_ns),
         "bookkeeping_us_per_step": _median_us(tally.bookkeeping_ns),
         "lookup_us": _median_us(tally.lookup_ns),
         "prefetch_us_per_step": _median_us(tally.prefetch_ns),
