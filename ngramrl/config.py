@@ -50,7 +50,7 @@ class PrefetchConfig:
     budget: int = 16                   # next-draft lookups per request per step
     global_budget: int | None = None   # optional cap for the whole batch (fan-out follows uncertainty)
     min_probability: float = 0.0       # outcomes less likely than this are never prefetched
-    levels: int = 2                    # suffix levels whose continuations are candidate corrections
+    levels: int = 3                    # suffix levels whose continuations are candidate corrections
     prior_strength: float = 4.0        # pseudo-observations behind the drafter's own estimate
     workers: int = 2                   # lookup threads (the Ray drafter pool replaces them later)
 

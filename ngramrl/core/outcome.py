@@ -80,8 +80,7 @@ def token_distribution(index: SuffixAutomaton, match: MatchState, exclude: int, 
     link, followed = index.link, index.followed
     continuations = index.continuations
     state = match.state
-    out: list[tuple[float, int]] = []
-    seen: set[int] = {exclude}
+    probs: dict[int, float] = {}
     mass = 1.0
     used = 0
     while used < levels:
@@ -95,31 +94,22 @@ def token_distribution(index: SuffixAutomaton, match: MatchState, exclude: int, 
                     break
             if norm <= 0:
                 break
-            taken = 0
             scale = mass / norm
-            for token, count in ranked:
-                p = scale * count
-                if p <= floor:
-                    break
-                if token not in seen:
-                    seen.add(token)
-                    out.append((p, token))
-                    taken += 1
-                    if taken == limit:
-                        break
+            for token, count in ranked[:limit + 1]:
+                if token != exclude:
+                    probs[token] = probs.get(token, 0.0) + scale * count
             mass *= len(ranked) / norm
             if mass <= floor:
                 break
         if state == ROOT:
             break
         state = link[state]
-    if used > 1:
-        out.sort(reverse=True)
+    out = sorted(((p, t) for t, p in probs.items() if p > floor), reverse=True)
     return out[:limit]
 
 
 def predict_outcomes(index: SuffixAutomaton, start: MatchState, draft: Draft, chances: list[float],
-                     limit: int, levels: int = 2) -> list[Outcome]:
+                     limit: int, levels: int = 3) -> list[Outcome]:
     """The ``limit`` most probable outcomes (j, b) of verifying ``draft`` from the context's match
     state ``start``, most probable first."""
     if limit <= 0:
