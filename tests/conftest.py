@@ -35,7 +35,7 @@ def build_tiny_model(path: str, vocab_size: int = 320, seed: int = 0) -> str:
     config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
                          bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                         pad_token_id=fast.pad_token_id, tie_word_embeddings=True)
+                         pad_token_id=fast.pad_token_id, tie_word_embeddings=True, initializer_range=0.3)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     fast.save_pretrained(path)

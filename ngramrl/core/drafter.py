@@ -94,9 +94,12 @@ class NgramDrafter:
     # -- request life cycle -----------------------------------------------------------------
 
     def start(self, request_id: str, prompt_id: str, prompt: list[int],
-              output: list[int] | None = None) -> RequestState:
+              output: list[int] | None = None, register: bool = False) -> RequestState:
+        """A request starts. ``register``: a prompt never seen is added to the history now (the
+        engine does this, so the first samples of a prompt already share their tokens)."""
         request = RequestState(request_id, prompt_id, list(prompt), list(output or []))
-        request.known = self.history.begin_live(prompt_id, request_id, request.output)
+        request.known = self.history.begin_live(prompt_id, request_id, request.output,
+                                                request.prompt if register else None)
         if request.known:
             self._sync(request)  # build the index now, not in the first step
         return request

