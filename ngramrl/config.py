@@ -68,7 +68,21 @@ class PrefetchConfig:
 
 
 @dataclass
+class EngineConfig:
+    """How the engine proposer spends verification."""
+
+    adaptive_length: bool = True       # cut drafts where verifying costs more than it saves
+    cost_decay: float = 0.98           # forgetting factor of the online step-time fit
+    prefetch: bool = True              # look up likely next drafts while the forward runs
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.cost_decay <= 1.0:
+            raise ValueError(f"EngineConfig.cost_decay must be in (0, 1], got {self.cost_decay}")
+
+
+@dataclass
 class NgramRLConfig:
     history: HistoryConfig = field(default_factory=HistoryConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)

