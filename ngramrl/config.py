@@ -73,11 +73,14 @@ class EngineConfig:
 
     adaptive_length: bool = True       # cut drafts where verifying costs more than it saves
     cost_decay: float = 0.98           # forgetting factor of the online step-time fit
+    explore_every: int = 16            # every n-th step verifies whole drafts, so the cost fit keeps learning
     prefetch: bool = True              # look up likely next drafts while the forward runs
 
     def __post_init__(self) -> None:
         if not 0.0 < self.cost_decay <= 1.0:
             raise ValueError(f"EngineConfig.cost_decay must be in (0, 1], got {self.cost_decay}")
+        if self.explore_every < 1:
+            raise ValueError(f"EngineConfig.explore_every must be >= 1, got {self.explore_every}")
 
 
 @dataclass

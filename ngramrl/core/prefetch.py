@@ -137,3 +137,76 @@ class Prefetcher:
         if pending is not None:
             for task in pending.tasks.values():
                 task.cancel()
+
+
+class BackgroundPrefetch:
+    """The prefetcher for a synchronous engine loop (vLLM's model runner): one worker thread
+    predicts outcomes and runs the lookups while the engine's forward runs (PyTorch releases the
+    GIL), and ``collect`` stops it before the index changes again. Lookups that finished are
+    used; the rest are simply not."""
+
+    def __init__(self, drafter: NgramDrafter, config: PrefetchConfig, calibration: AcceptanceCalibration) -> None:
+        import threading
+
+        self.drafter = drafter
+        self.config = config
+        self.calibration = calibration
+        self.stats = PrefetchStats()
+        self._results: dict[tuple[str, int, int], Draft] = {}
+        self._jobs: list[tuple[RequestState, Draft, int]] = []
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="ngramrl-prefetch", daemon=True)
+        self._thread.start()
+
+    def dispatch(self, jobs: list[tuple[RequestState, Draft, int]]) -> None:
+        """Drafts (request, draft, k) were sent for verification: work on their likely outcomes."""
+        self._jobs = jobs
+        self._results = {}
+        self._stop.clear()
+        self._idle.clear()
+        self._wake.set()
+
+    def collect(self) -> dict[tuple[str, int, int], Draft]:
+        """Stop the worker (it finishes the lookup in hand) and return the lookups that finished."""
+        self._stop.set()
+        self._idle.wait()
+        return self._results
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                self._work()
+            except Exception:  # noqa: BLE001 - a failed prefetch is only a miss
+                self.stats.failed += 1
+            finally:
+                self._idle.set()
+
+    def _work(self) -> None:
+        begin = time.perf_counter_ns()
+        plans = []
+        for request, draft, k in self._jobs:
+            if self._stop.is_set():
+                return
+            index = request.index
+            if index is None or not request.known:
+                continue
+            chances = [self.calibration.chance(i, p) for i, p in enumerate(draft.probs)]
+            outcomes = predict_outcomes(index, request.match, draft, chances, self.config.budget, self.config.levels)
+            plans.append((request, draft, k, outcomes))
+        self.stats.bookkeeping_ns.append(time.perf_counter_ns() - begin)
+        # Likeliest outcomes of the whole batch first, so an early stop loses the least.
+        queue = sorted(((o.probability, i, o) for i, (_, _, _, outs) in enumerate(plans) for o in outs),
+                       key=lambda item: -item[0])
+        for _, i, outcome in queue:
+            if self._stop.is_set():
+                return
+            request, draft, k, _ = plans[i]
+            after = draft.tokens[:outcome.accepted] + [outcome.token]
+            key = (request.request_id, outcome.accepted, outcome.token)
+            self._results[key] = self.drafter.lookup(request, k, after)
+            self.stats.dispatched += 1

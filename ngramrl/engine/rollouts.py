@@ -95,6 +95,13 @@ class RolloutEngine:
                                     else "stop"))
         return rollouts
 
+    def close(self) -> None:
+        """Shut the engine down (its engine-core process too)."""
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+
     def spec_decode_metrics(self) -> dict[str, float]:
         """vLLM's own speculative decoding counters (drafts, draft tokens, accepted tokens)."""
         out: dict[str, float] = {}

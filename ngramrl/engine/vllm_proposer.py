@@ -25,6 +25,7 @@ from ngramrl.core.cost import StepCostModel, choose_draft_lengths
 from ngramrl.core.drafter import Draft, NgramDrafter, RequestState
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import AcceptanceCalibration
+from ngramrl.core.prefetch import BackgroundPrefetch
 
 CONFIG_ENV = "NGRAMRL_CONFIG"
 STATS_ENV = "NGRAMRL_STATS_FILE"  # where the engine-process proposer reports its counters
@@ -55,6 +56,7 @@ class ProposerStats:
     drafts: int = 0
     drafted_tokens: int = 0
     cut_tokens: int = 0          # drafted, then dropped by the cost model
+    prefetch_hits: int = 0       # next drafts that were ready from the prefetch
     finished_rollouts: int = 0
     draft_ns: list[int] = field(default_factory=list)
 
@@ -88,6 +90,8 @@ class NgramRLProposer:
         self._verified_tokens = 0               # tokens the last step's forward verified
         self._step_started: float | None = None
         self._last_batch: tuple[str, ...] = ()
+        self.prefetch = (BackgroundPrefetch(self.drafter, self.config.prefetch, self.calibration)
+                         if self.config.engine.prefetch and self.config.prefetch.budget > 0 else None)
 
     def bind_runner(self, runner: Any) -> None:
         self.runner = runner
@@ -109,6 +113,7 @@ class NgramRLProposer:
         if self._step_started is not None and batch == self._last_batch:
             self.cost.observe(self._verified_tokens, begin / 1e9 - self._step_started)
         self._last_batch = batch
+        prefetched = self.prefetch.collect() if self.prefetch is not None else {}
         self._retire(runner.requests)
         rows: list[tuple[int, RequestState, Draft]] = []
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
@@ -127,8 +132,16 @@ class NgramRLProposer:
             self.drafter.commit(request, list(sampled))
             room = self.max_model_len - int(num_tokens_no_spec[row]) - 1
             k = min(self.k, room)
-            if k > 0:
-                rows.append((row, request, self.drafter.propose(request, k)))
+            if k <= 0:
+                continue
+            ready = prefetched.get((req_id, len(sampled) - 1, sampled[-1]))
+            if ready is not None:  # the same draft the lookup below would make, computed during the forward
+                self.drafter.absorb(request)
+                self.stats.prefetch_hits += 1
+                draft = Draft(ready.tokens[:k], ready.probs[:k], ready.matched, ready.source)
+            else:
+                draft = self.drafter.propose(request, k)
+            rows.append((row, request, draft))
         lengths = self._lengths([draft for _, _, draft in rows])
         self._pending.clear()
         for (row, request, draft), length in zip(rows, lengths, strict=True):
@@ -139,6 +152,8 @@ class NgramRLProposer:
             self.stats.drafted_tokens += len(kept.tokens)
             self.stats.cut_tokens += len(draft.tokens) - length
         self._verified_tokens = sum(1 + len(d) for d in drafts)
+        if self.prefetch is not None:
+            self.prefetch.dispatch([(request, self._pending[request.request_id], self.k) for _, request, _ in rows])
         self.stats.steps += 1
         end = time.perf_counter_ns()
         self.stats.draft_ns.append(end - begin)
@@ -147,7 +162,8 @@ class NgramRLProposer:
 
     def _lengths(self, drafts: list[Draft]) -> list[int]:
         """How much of each draft to verify: all of it, or what the step-cost model says pays off."""
-        if not self.config.engine.adaptive_length:
+        engine = self.config.engine
+        if not engine.adaptive_length or self.stats.steps % engine.explore_every == 0:
             return [len(d.tokens) for d in drafts]
         survival = []
         for draft in drafts:
@@ -190,6 +206,7 @@ class NgramRLProposer:
 
         base, per_token = self.cost.coefficients
         report = {"steps": self.stats.steps, "drafts": self.stats.drafts, "drafted_tokens": self.stats.drafted_tokens,
+                  "prefetch_hits": self.stats.prefetch_hits,
                   "cut_tokens": self.stats.cut_tokens, "finished_rollouts": self.stats.finished_rollouts,
                   "draft_us_median": statistics.median(self.stats.draft_ns) / 1000 if self.stats.draft_ns else None,
                   "draft_us_total": sum(self.stats.draft_ns) / 1000, "step_base_s": base,

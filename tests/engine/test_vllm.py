@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 
 RUNNER = os.path.join(os.path.dirname(__file__), "vllm_runner.py")
 PROMPTS = {f"p{i}": [1, 5 + i, 9, 12 + i, 30 + i] for i in range(4)}
+WHOLE_DRAFTS = {"engine": {"adaptive_length": False}}
 
 
 def run(tmp_path, name, spec, env=None, may_fail=False):
@@ -78,7 +79,8 @@ def chi2_same_distribution(a, b):
 
 def test_sampled_distribution_and_mixed_batch_unchanged(tiny_model_dir, tmp_path):
     samples = 480
-    spec = {"model": tiny_model_dir, "k": 4, "epochs": sampled_epochs(samples)}
+    # Every draft verified whole (no step-cost cut): this test is about exactness under drafting.
+    spec = {"model": tiny_model_dir, "k": 4, "epochs": sampled_epochs(samples), "ngramrl_config": WHOLE_DRAFTS}
     plain = run(tmp_path, "plain", {**spec, "draft": "none"})
     drafted = run(tmp_path, "ngramrl", {**spec, "draft": "ngramrl"})
     assert drafted["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
@@ -108,7 +110,7 @@ def test_cpu_sampling_bug_is_reproduced_without_the_fix_and_gone_with_it(tiny_mo
         pytest.skip("this vLLM's expand_batch_to_tokens is correct: nothing to reproduce")
     # End to end: a mixed greedy/sampled batch with speculation, with the fix switched off and on.
     samples = 96
-    spec = {"model": tiny_model_dir, "k": 4, "epochs": sampled_epochs(samples)}
+    spec = {"model": tiny_model_dir, "k": 4, "epochs": sampled_epochs(samples), "ngramrl_config": WHOLE_DRAFTS}
     plain = run(tmp_path, "plain", {**spec, "draft": "none"})
     broken = run(tmp_path, "broken", {**spec, "draft": "ngramrl"}, env={"NGRAMRL_VLLM_CPU_FIX": "0"}, may_fail=True)
     fixed = run(tmp_path, "fixed", {**spec, "draft": "ngramrl"})

@@ -23,6 +23,10 @@ def main(spec_path: str, out_path: str) -> None:
     from ngramrl.engine.rollouts import RolloutEngineConfig
 
     spec = json.load(open(spec_path))
+    if spec.get("ngramrl_config"):
+        from ngramrl.engine.vllm_proposer import CONFIG_ENV
+
+        os.environ[CONFIG_ENV] = json.dumps(spec["ngramrl_config"])
     config = RolloutEngineConfig(model=spec["model"], draft=spec.get("draft", "ngramrl"),
                                  num_speculative_tokens=spec.get("k", 6), max_model_len=spec.get("max_model_len", 256))
     kwargs = dict(model=config.model, dtype="bfloat16", max_model_len=config.max_model_len, seed=0,
