@@ -5,8 +5,9 @@ memory-bound (a GPU at small batch) that is almost free; when it is compute-boun
 or a CPU from the start) every verified token costs time, and a draft token that will probably be
 rejected makes the step slower than it saves. The model:
 
-- ``StepCostModel`` fits the step time as ``base + per_token * tokens`` online (exponentially
-  weighted least squares over the steps seen so far), from the tokens each step verified.
+- ``StepCostModel`` fits the step time online as ``base + per_request * requests + per_token *
+  draft tokens`` (exponentially weighted least squares): what a step costs for its requests
+  alone, and what each verified draft token adds.
 - ``choose_draft_lengths`` keeps a draft token only while it raises the expected throughput:
   with N expected committed tokens in time T, one more draft token that survives with chance s
   is worth it iff (N + s) / (T + per_token) > N / T, i.e. s > per_token * N / T. Survival chances
@@ -17,52 +18,50 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
+
 
 class StepCostModel:
-    def __init__(self, decay: float = 0.98, prior_base: float = 1e-3, prior_per_token: float = 0.0) -> None:
+    def __init__(self, decay: float = 0.98, ridge: float = 1e-9) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.decay = decay
-        self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
-        self._prior = (prior_base, prior_per_token)
+        self.ridge = ridge
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
         self.steps = 0
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = self.decay
-        self._sw = d * self._sw + 1.0
-        self._sx = d * self._sx + tokens
-        self._sy = d * self._sy + seconds
-        self._sxx = d * self._sxx + tokens * tokens
-        self._sxy = d * self._sxy + tokens * seconds
+    def observe(self, requests: int, draft_tokens: int, seconds: float) -> None:
+        x = np.array([1.0, float(requests), float(draft_tokens)])
+        self._xtx = self.decay * self._xtx + np.outer(x, x)
+        self._xty = self.decay * self._xty + x * seconds
         self.steps += 1
 
     @property
-    def coefficients(self) -> tuple[float, float]:
-        """(base seconds, seconds per verified token); the prior until the data can tell them apart."""
-        if self._sw < 2:
-            return self._prior
-        mean_x, mean_y = self._sx / self._sw, self._sy / self._sw
-        var_x = self._sxx / self._sw - mean_x * mean_x
-        if var_x <= 1e-9 * max(1.0, mean_x * mean_x):
-            return (max(0.0, mean_y - self._prior[1] * mean_x), self._prior[1])
-        per_token = (self._sxy / self._sw - mean_x * mean_y) / var_x
-        per_token = max(0.0, per_token)
-        return (max(0.0, mean_y - per_token * mean_x), per_token)
+    def coefficients(self) -> tuple[float, float, float]:
+        """(base, per request, per draft token) in seconds; zeros until two steps are seen. A
+        coefficient the data cannot tell apart yet (no variation in it) comes out near zero."""
+        if self.steps < 2:
+            return (0.0, 0.0, 0.0)
+        scale = max(1.0, float(np.trace(self._xtx)))
+        solution = np.linalg.solve(self._xtx + self.ridge * scale * np.eye(3), self._xty)
+        base, per_request, per_token = (float(v) for v in solution)
+        return (max(0.0, base), max(0.0, per_request), max(0.0, per_token))
 
-    def step_time(self, tokens: int) -> float:
-        base, per_token = self.coefficients
-        return base + per_token * tokens
+    def step_time(self, requests: int, draft_tokens: int) -> float:
+        base, per_request, per_token = self.coefficients
+        return base + per_request * requests + per_token * draft_tokens
 
 
 def choose_draft_lengths(survival: list[list[float]], model: StepCostModel) -> list[int]:
     """Per request, how many leading draft tokens to verify. ``survival[r][i]``: the chance that
-    draft token i of request r is accepted (non-increasing in i)."""
-    base, per_token = model.coefficients
+    draft tokens 0..i of request r are all accepted (non-increasing in i)."""
+    base, per_request, per_token = model.coefficients
     lengths = [0] * len(survival)
-    committed = float(len(survival))            # every request commits one token per step
-    time = base + per_token * len(survival)     # each request's own token is verified too
     if per_token <= 0.0:
         return [len(s) for s in survival]
+    committed = float(len(survival))            # every request commits one token per step
+    time = base + per_request * len(survival)
     heap = [(-s[0], r, 0) for r, s in enumerate(survival) if s]
     heapq.heapify(heap)
     while heap:

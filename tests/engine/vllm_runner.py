@@ -28,7 +28,8 @@ def main(spec_path: str, out_path: str) -> None:
 
         os.environ[CONFIG_ENV] = json.dumps(spec["ngramrl_config"])
     config = RolloutEngineConfig(model=spec["model"], draft=spec.get("draft", "ngramrl"),
-                                 num_speculative_tokens=spec.get("k", 6), max_model_len=spec.get("max_model_len", 256))
+                                 num_speculative_tokens=spec.get("k", 6),
+                                 max_model_len=spec.get("max_model_len", 256))
     kwargs = dict(model=config.model, dtype="bfloat16", max_model_len=config.max_model_len, seed=0,
                   enforce_eager=True, disable_log_stats=False)
     if config.speculative_config():
