@@ -101,7 +101,7 @@ class NgramDrafter:
         request.known = self.history.begin_live(prompt_id, request_id, request.output,
                                                 request.prompt if register else None)
         if request.known:
-            self._sync(request)  # build the index now, not in the first step
+            self.index(request)  # build the index now, not in the first step
         return request
 
     def commit(self, request: RequestState, tokens: list[int]) -> None:
@@ -110,7 +110,7 @@ class NgramDrafter:
         if not request.known:
             return
         self.absorb(request)
-        index = self._sync(request)
+        index = self.index(request)
         request.match = advance(index, request.match, tokens)
         request.pending = list(tokens)
         if request.global_index is not None and self.config.use_global:
@@ -136,7 +136,7 @@ class NgramDrafter:
             self.history.end_live(request.prompt_id, request.request_id, epoch)
             request.known = False
 
-    def _sync(self, request: RequestState) -> SuffixAutomaton:
+    def index(self, request: RequestState) -> SuffixAutomaton:
         """The prompt's current index; the match state is recomputed if the index was rebuilt."""
         if request.layout == self.history.layout and request.index is not None:
             return request.index
@@ -163,7 +163,7 @@ class NgramDrafter:
         k = self.config.max_draft if k is None else k
         if not request.known or k <= 0:
             return EMPTY
-        index = self._sync(request)
+        index = self.index(request)
         match = advance(index, request.match, after) if after else request.match
         best = self.walk(index, match, k, "prompt")
         if self.config.use_global:

@@ -80,7 +80,7 @@ class Prefetcher:
         """The request's most probable outcomes for ``draft``, up to the per-request budget."""
         if not request.known or not self.config.budget:
             return []
-        index = self.drafter._sync(request)
+        index = self.drafter.index(request)
         chances = [self.calibration.chance(i, p) for i, p in enumerate(draft.probs)]
         return predict_outcomes(index, request.match, draft, chances, self.config.budget, self.config.levels)
 

@@ -63,13 +63,15 @@ def run_method(method: str, args: argparse.Namespace, model_dir: str, prompts, s
         # single samples for concurrency below n.
         per_prompt = min(args.samples, concurrency)
         groups = max(1, concurrency // per_prompt)
-        for first in range(0, len(prompts), groups):
-            batch = prompts[first:first + groups]
-            begin = time.perf_counter()
-            rollouts = engine.generate(batch, n=per_prompt, epoch=epoch, temperature=args.temperature,
-                                       max_tokens=args.max_tokens, seed=7919 * epoch + first)
-            seconds += time.perf_counter() - begin
-            tokens += sum(len(r.output) for r in rollouts)
+        rounds = 2 if per_prompt < args.samples else 1  # small concurrencies: more requests, less noise
+        for round_ in range(rounds):
+            for first in range(0, len(prompts), groups):
+                batch = prompts[first:first + groups]
+                begin = time.perf_counter()
+                rollouts = engine.generate(batch, n=per_prompt, epoch=epoch, temperature=args.temperature,
+                                           max_tokens=args.max_tokens, seed=7919 * epoch + 97 * round_ + first)
+                seconds += time.perf_counter() - begin
+                tokens += sum(len(r.output) for r in rollouts)
         after = engine.spec_decode_metrics()
         accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
         drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)

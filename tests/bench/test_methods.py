@@ -80,3 +80,20 @@ def test_replay_is_deterministic_and_oracle_is_a_ceiling():
 def test_unknown_method_is_rejected():
     with pytest.raises(ValueError, match="unknown method"):
         make_method("eagle")
+
+
+def test_replay_with_prefetch_uses_the_same_drafts():
+    """Prefetched next drafts are the drafts the ordinary lookup makes: same forwards, with hits."""
+    from ngramrl.bench.methods import NgramRLMethod
+
+    rng = random.Random(5)
+    prompts = {f"p{i}": [1, 2, 3 + i] for i in range(3)}
+    rollouts = [Rollout(pid, epoch, sample, prompt, [rng.choice([10, 11, 12, 13]) for _ in range(30)] + [2])
+                for epoch in range(3) for pid, prompt in prompts.items() for sample in range(3)]
+    trace = toy_trace(rollouts)
+    plain = replay(trace, NgramRLMethod(), 8)
+    prefetching = NgramRLMethod(budgets=[1, 16])
+    result = replay(trace, prefetching, 8)
+    assert result.forwards == plain.forwards
+    assert prefetching.tally.prefetch_hits > 0
+    assert prefetching.tally.value(16) >= prefetching.tally.value(1) > 0
