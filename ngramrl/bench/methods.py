@@ -195,7 +195,7 @@ class NgramRLMethod:
         at the main budget really run so their drafts are the next ones on a hit)."""
         begin = time.perf_counter_ns()
         chances = [self.calibration.chance(i, p) for i, p in enumerate(draft.probs)]
-        index = self.drafter.index(self.request) if self.request.known else None
+        index = self.drafter.index(self.request) if self.request is not None and self.request.known else None
         top = max(self.tally.budgets)
         predicted = [] if index is None else predict_outcomes(index, self.request.match, draft, chances, top,
                                                                self.prefetch.levels)

@@ -111,6 +111,8 @@ class NgramDrafter:
             return
         self.absorb(request)
         index = self.index(request)
+        if index is None:
+            return
         request.match = advance(index, request.match, tokens)
         request.pending = list(tokens)
         if request.global_index is not None and self.config.use_global:
@@ -136,13 +138,17 @@ class NgramDrafter:
             self.history.end_live(request.prompt_id, request.request_id, epoch)
             request.known = False
 
-    def index(self, request: RequestState) -> SuffixAutomaton:
-        """The prompt's current index; the match state is recomputed if the index was rebuilt."""
+    def index(self, request: RequestState) -> SuffixAutomaton | None:
+        """The prompt's current index; the match state is recomputed if the index was rebuilt. If
+        the prompt was evicted meanwhile, the request goes on without drafts (None)."""
         if request.layout == self.history.layout and request.index is not None:
             return request.index
         request.layout = self.history.layout
         index = self.history.index_of(request.prompt_id)
-        assert index is not None
+        if index is None or not self.history.is_live(request.prompt_id, request.request_id):
+            request.known = False
+            request.index = None
+            return None
         if index is not request.index:
             request.index = index
             cursor = self.history.cursor(request.prompt_id, request.request_id)
@@ -164,6 +170,8 @@ class NgramDrafter:
         if not request.known or k <= 0:
             return EMPTY
         index = self.index(request)
+        if index is None:
+            return EMPTY
         match = advance(index, request.match, after) if after else request.match
         best = self.walk(index, match, k, "prompt")
         if self.config.use_global:

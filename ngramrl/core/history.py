@@ -176,6 +176,10 @@ class RolloutHistory:
             return None
         return self._indexed(entry), entry.cursors[request_id]
 
+    def is_live(self, prompt_id: str, request_id: str) -> bool:
+        entry = self._prompts.get(prompt_id)
+        return entry is not None and request_id in entry.live
+
     def cursor(self, prompt_id: str, request_id: str) -> int:
         """State of the request's own sequence in its prompt's current index."""
         return self._prompts[prompt_id].cursors[request_id]

@@ -81,6 +81,8 @@ class Prefetcher:
         if not request.known or not self.config.budget:
             return []
         index = self.drafter.index(request)
+        if index is None:
+            return []
         chances = [self.calibration.chance(i, p) for i, p in enumerate(draft.probs)]
         return predict_outcomes(index, request.match, draft, chances, self.config.budget, self.config.levels)
 

@@ -169,3 +169,15 @@ def test_config_rejects_bad_values(bad):
 def test_history_config_rejects_bad_values():
     with pytest.raises(ValueError, match="rollouts_per_prompt"):
         HistoryConfig(rollouts_per_prompt=0)
+
+
+def test_a_prompt_evicted_while_its_request_runs_stops_drafting_without_error():
+    history, drafter = make(HistoryConfig(max_tokens=30, prompt_tail=2))
+    history.add_rollout("p", PROMPT, [10, 11, 12], epoch=0)
+    request = drafter.start("r", "p", PROMPT)
+    assert drafter.propose(request).tokens
+    history.add_rollout("q", PROMPT, list(range(40, 70)), epoch=0)  # evicts "p"
+    assert "p" not in history
+    drafter.commit(request, [10])
+    assert drafter.propose(request).tokens == []
+    drafter.finish(request, epoch=1)

@@ -153,7 +153,9 @@ def test_smollm2_greedy_outputs_identical(tmp_path):
     prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
     epochs = [[{"prompt": p, "prompt_id": f"q{i}", "epoch": e, "max_tokens": 48} for i, p in enumerate(prompts)
                for _ in range(2)] for e in range(2)]
-    spec = {"model": model_dir, "k": 8, "max_model_len": 512, "epochs": epochs}
+    # float32: in bf16, verifying 9 positions at once and decoding one at a time round differently,
+    # which flips near-tied argmaxes of a real model; exactness is about the algorithm, not rounding.
+    spec = {"model": model_dir, "k": 8, "max_model_len": 512, "epochs": epochs, "dtype": "float32"}
     plain = run(tmp_path, "plain", {**spec, "draft": "none"})
     drafted = run(tmp_path, "ngramrl", {**spec, "draft": "ngramrl"})
     assert drafted["outputs"] == plain["outputs"]

@@ -30,7 +30,7 @@ def main(spec_path: str, out_path: str) -> None:
     config = RolloutEngineConfig(model=spec["model"], draft=spec.get("draft", "ngramrl"),
                                  num_speculative_tokens=spec.get("k", 6),
                                  max_model_len=spec.get("max_model_len", 256))
-    kwargs = dict(model=config.model, dtype="bfloat16", max_model_len=config.max_model_len, seed=0,
+    kwargs = dict(model=config.model, dtype=spec.get("dtype", "bfloat16"), max_model_len=config.max_model_len, seed=0,
                   enforce_eager=True, disable_log_stats=False)
     if config.speculative_config():
         kwargs["speculative_config"] = config.speculative_config()
