@@ -208,3 +208,28 @@ def test_calibration_learns_from_outcomes_only():
         calibration.observe([0.8, 0.8], accepted=0)  # the first token keeps being rejected
     assert calibration.chance(0, 0.8) < 0.1
     assert calibration.chance(1, 0.8) == 0.8  # position 1 was never tried
+
+
+def test_background_prefetch_lookups_equal_ordinary_ones():
+    from ngramrl.core.prefetch import BackgroundPrefetch
+
+    table = toy_model(8)
+    history = warm_history(table, PROMPTS, 0.8)
+    drafter = NgramDrafter(history, DrafterConfig(max_draft=K))
+    request = drafter.start("r", "p2", PROMPTS["p2"])
+    draft = drafter.propose(request, K)
+    background = BackgroundPrefetch(drafter, PrefetchConfig(budget=8), AcceptanceCalibration())
+    background.dispatch([(request, draft, K)])
+    import time
+
+    time.sleep(0.2)  # the "forward"
+    ready = background.collect()
+    assert ready and len(ready) <= 8
+    for (rid, j, b), prefetched in ready.items():
+        assert rid == "r"
+        twin = drafter.start("twin", "p2", PROMPTS["p2"], output=list(request.output))
+        drafter.commit(twin, draft.tokens[:j] + [b])
+        assert drafter.lookup(twin, K).tokens == prefetched.tokens
+        drafter.finish(twin)
+    background.dispatch([(request, draft, K)])
+    background.collect()  # stopping right away is fine: whatever finished is returned
