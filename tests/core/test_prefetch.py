@@ -3,6 +3,7 @@ on at several budgets, and with lookup workers that are slow, raise, or answer l
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -153,6 +154,15 @@ def test_greedy_outputs_equal_plain_decoding():
         assert outputs[pid] == plain_rollout(table, prompt, 0.0, 0, 40)
 
 
+def ordinary_draft_after(drafter, request, prompt_id, committed):
+    """The draft an ordinary lookup makes once ``committed`` is known, from a twin of the request."""
+    twin = drafter.start("twin", prompt_id, PROMPTS[prompt_id], output=list(request.output))
+    drafter.commit(twin, committed)
+    tokens = drafter.lookup(twin, K).tokens
+    drafter.finish(twin)
+    return tokens
+
+
 def test_prefetched_draft_is_the_draft_an_ordinary_lookup_makes():
     table = toy_model(5)
     history = warm_history(table, PROMPTS, 0.8)
@@ -162,10 +172,7 @@ def test_prefetched_draft_is_the_draft_an_ordinary_lookup_makes():
     for j in range(len(draft.tokens) + 1):
         for b in range(0, VOCAB, 7):
             ahead = drafter.lookup(request, K, draft.tokens[:j] + [b])
-            twin = drafter.start("twin", "p0", PROMPTS["p0"], output=list(request.output))
-            drafter.commit(twin, draft.tokens[:j] + [b])
-            assert drafter.lookup(twin, K).tokens == ahead.tokens
-            drafter.finish(twin)
+            assert ordinary_draft_after(drafter, request, "p0", draft.tokens[:j] + [b]) == ahead.tokens
 
 
 def test_accepted_length_distribution_sums_to_one():
@@ -220,16 +227,11 @@ def test_background_prefetch_lookups_equal_ordinary_ones():
     draft = drafter.propose(request, K)
     background = BackgroundPrefetch(drafter, PrefetchConfig(budget=8), AcceptanceCalibration())
     background.dispatch([(request, draft, K)])
-    import time
-
     time.sleep(0.2)  # the "forward"
     ready = background.collect()
     assert ready and len(ready) <= 8
     for (rid, j, b), prefetched in ready.items():
         assert rid == "r"
-        twin = drafter.start("twin", "p2", PROMPTS["p2"], output=list(request.output))
-        drafter.commit(twin, draft.tokens[:j] + [b])
-        assert drafter.lookup(twin, K).tokens == prefetched.tokens
-        drafter.finish(twin)
+        assert ordinary_draft_after(drafter, request, "p2", draft.tokens[:j] + [b]) == prefetched.tokens
     background.dispatch([(request, draft, K)])
     background.collect()  # stopping right away is fine: whatever finished is returned
