@@ -17,7 +17,7 @@ from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.automaton import SuffixAutomaton
 from ngramrl.core.drafter import Draft, NgramDrafter, RequestState
 from ngramrl.core.history import RolloutHistory
-from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, predict_outcomes
+from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, predict_for
 from ngramrl.core.trace import Rollout
 
 
@@ -194,11 +194,10 @@ class NgramRLMethod:
         """What the prefetcher would do while this draft is verified (measured, and the lookups
         at the main budget really run so their drafts are the next ones on a hit)."""
         begin = time.perf_counter_ns()
-        chances = [self.calibration.chance(i, p) for i, p in enumerate(draft.probs)]
         index = self.drafter.index(self.request) if self.request is not None and self.request.known else None
         top = max(self.tally.budgets)
-        predicted = [] if index is None else predict_outcomes(index, self.request.match, draft, chances, top,
-                                                               self.prefetch.levels)
+        predicted = [] if index is None else predict_for(index, self.request.match, draft, self.calibration, top,
+                                                          self.prefetch.levels)
         self.tally.model_ns.append(time.perf_counter_ns() - begin)
         begin = time.perf_counter_ns()
         self._outcomes = allocate({"r": predicted}, self._sweep_allocation)["r"]

@@ -40,6 +40,9 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def truncated(self, length: int) -> Draft:
+        return Draft(self.tokens[:length], self.probs[:length], self.matched, self.source)
+
     @property
     def expected_accepted(self) -> float:
         """Expected number of accepted tokens under the draft's own probability estimates."""

@@ -53,6 +53,10 @@ class AcceptanceCalibration:
         accepted, trials = cell
         return (accepted + self.prior_strength * estimate) / (trials + self.prior_strength)
 
+    def chances(self, probs: list[float]) -> list[float]:
+        """Calibrated acceptance chance of each token of a draft, from its estimates."""
+        return [self.chance(position, estimate) for position, estimate in enumerate(probs)]
+
     def observe(self, probs: list[float], accepted: int) -> None:
         """Learn from one verified draft: positions < accepted were accepted, position accepted was not."""
         for position, estimate in enumerate(probs[:accepted + 1]):
@@ -139,6 +143,12 @@ def predict_outcomes(index: SuffixAutomaton, start: MatchState, draft: Draft, ch
                 break  # tokens come most likely first
     best.sort(reverse=True)
     return [Outcome(p, j, b) for p, j, b in best]
+
+
+def predict_for(index: SuffixAutomaton, start: MatchState, draft: Draft, calibration: AcceptanceCalibration,
+                limit: int, levels: int) -> list[Outcome]:
+    """``predict_outcomes`` with the acceptance chances calibrated from what was observed so far."""
+    return predict_outcomes(index, start, draft, calibration.chances(draft.probs), limit, levels)
 
 
 def allocate(candidates: dict[str, list[Outcome]], config: PrefetchConfig) -> dict[str, list[Outcome]]:

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from ngramrl.config import PrefetchConfig
 from ngramrl.core.drafter import Draft, NgramDrafter, RequestState
-from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, predict_outcomes
+from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, predict_for
 
 
 class LookupWorker(Protocol):
@@ -83,8 +83,7 @@ class Prefetcher:
         index = self.drafter.index(request)
         if index is None:
             return []
-        chances = [self.calibration.chance(i, p) for i, p in enumerate(draft.probs)]
-        return predict_outcomes(index, request.match, draft, chances, self.config.budget, self.config.levels)
+        return predict_for(index, request.match, draft, self.calibration, self.config.budget, self.config.levels)
 
     def dispatch(self, batch: list[tuple[RequestState, Draft, int]]) -> None:
         """Drafts (request, draft, k) were just sent for verification: start lookups for their
@@ -197,8 +196,8 @@ class BackgroundPrefetch:
             index = request.index
             if index is None or not request.known:
                 continue
-            chances = [self.calibration.chance(i, p) for i, p in enumerate(draft.probs)]
-            outcomes = predict_outcomes(index, request.match, draft, chances, self.config.budget, self.config.levels)
+            outcomes = predict_for(index, request.match, draft, self.calibration, self.config.budget,
+                                   self.config.levels)
             plans.append((request, draft, k, outcomes))
         self.stats.bookkeeping_ns.append(time.perf_counter_ns() - begin)
         # Likeliest outcomes of the whole batch first, so an early stop loses the least.

@@ -14,7 +14,9 @@ reaches the engine process; ``RolloutEngine`` sets it.
 
 from __future__ import annotations
 
+import itertools
 import json
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -138,14 +140,14 @@ class NgramRLProposer:
             if ready is not None:  # the same draft the lookup below would make, computed during the forward
                 self.drafter.absorb(request)
                 self.stats.prefetch_hits += 1
-                draft = Draft(ready.tokens[:k], ready.probs[:k], ready.matched, ready.source)
+                draft = ready.truncated(k)
             else:
                 draft = self.drafter.propose(request, k)
             rows.append((row, request, draft))
         lengths = self._lengths([draft for _, _, draft in rows])
         self._pending.clear()
         for (row, request, draft), length in zip(rows, lengths, strict=True):
-            kept = Draft(draft.tokens[:length], draft.probs[:length], draft.matched, draft.source)
+            kept = draft.truncated(length)
             self._pending[request.request_id] = kept
             drafts[row] = kept.tokens
             self.stats.drafts += bool(kept.tokens)
@@ -165,13 +167,7 @@ class NgramRLProposer:
         engine = self.config.engine
         if not engine.adaptive_length or self.stats.steps % engine.explore_every == 0:
             return [len(d.tokens) for d in drafts]
-        survival = []
-        for draft in drafts:
-            chances, survive = [], 1.0
-            for position, estimate in enumerate(draft.probs):
-                survive *= self.calibration.chance(position, estimate)
-                chances.append(survive)
-            survival.append(chances)
+        survival = [list(itertools.accumulate(self.calibration.chances(d.probs), operator.mul)) for d in drafts]
         return choose_draft_lengths(survival, self.cost)
 
     def _admit(self, req_id: str, cached: Any, sampled: list[int]) -> None:

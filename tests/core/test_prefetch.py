@@ -154,6 +154,14 @@ def test_greedy_outputs_equal_plain_decoding():
         assert outputs[pid] == plain_rollout(table, prompt, 0.0, 0, 40)
 
 
+def first_draft(seed, temperature, prompt_id):
+    """A drafter warmed on the toy model's rollouts, and the first draft of a new request."""
+    history = warm_history(toy_model(seed), PROMPTS, temperature)
+    drafter = NgramDrafter(history, DrafterConfig(max_draft=K))
+    request = drafter.start("r", prompt_id, PROMPTS[prompt_id])
+    return history, drafter, request, drafter.propose(request, K)
+
+
 def ordinary_draft_after(drafter, request, prompt_id, committed):
     """The draft an ordinary lookup makes once ``committed`` is known, from a twin of the request."""
     twin = drafter.start("twin", prompt_id, PROMPTS[prompt_id], output=list(request.output))
@@ -164,11 +172,7 @@ def ordinary_draft_after(drafter, request, prompt_id, committed):
 
 
 def test_prefetched_draft_is_the_draft_an_ordinary_lookup_makes():
-    table = toy_model(5)
-    history = warm_history(table, PROMPTS, 0.8)
-    drafter = NgramDrafter(history, DrafterConfig(max_draft=K))
-    request = drafter.start("r", "p0", PROMPTS["p0"])
-    draft = drafter.propose(request, K)
+    history, drafter, request, draft = first_draft(seed=5, temperature=0.8, prompt_id="p0")
     for j in range(len(draft.tokens) + 1):
         for b in range(0, VOCAB, 7):
             ahead = drafter.lookup(request, K, draft.tokens[:j] + [b])
@@ -182,11 +186,7 @@ def test_accepted_length_distribution_sums_to_one():
 
 
 def test_predicted_outcomes_never_include_the_rejected_draft_token_and_are_sorted():
-    table = toy_model(6)
-    history = warm_history(table, PROMPTS, 1.0)
-    drafter = NgramDrafter(history, DrafterConfig(max_draft=K))
-    request = drafter.start("r", "p1", PROMPTS["p1"])
-    draft = drafter.propose(request, K)
+    history, drafter, request, draft = first_draft(seed=6, temperature=1.0, prompt_id="p1")
     assert draft.tokens
     index = history.index_of("p1")
     outcomes = predict_outcomes(index, request.match, draft, draft.probs, 16)
@@ -220,11 +220,7 @@ def test_calibration_learns_from_outcomes_only():
 def test_background_prefetch_lookups_equal_ordinary_ones():
     from ngramrl.core.prefetch import BackgroundPrefetch
 
-    table = toy_model(8)
-    history = warm_history(table, PROMPTS, 0.8)
-    drafter = NgramDrafter(history, DrafterConfig(max_draft=K))
-    request = drafter.start("r", "p2", PROMPTS["p2"])
-    draft = drafter.propose(request, K)
+    history, drafter, request, draft = first_draft(seed=8, temperature=0.8, prompt_id="p2")
     background = BackgroundPrefetch(drafter, PrefetchConfig(budget=8), AcceptanceCalibration())
     background.dispatch([(request, draft, K)])
     time.sleep(0.2)  # the "forward"
