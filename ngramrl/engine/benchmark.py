@@ -16,7 +16,7 @@ import os
 import tempfile
 import time
 
-from ngramrl.config import EngineConfig, NgramRLConfig
+from ngramrl.config import DrafterConfig, EngineConfig, NgramRLConfig
 
 METHODS = ("none", "none-sync", "ngram", "suffix", "ngramrl", "ngramrl-prefetch")
 
@@ -43,7 +43,8 @@ def run_method(method: str, args: argparse.Namespace, model_dir: str, prompts, s
     os.environ["NGRAMRL_STATS_FILE"] = stats_path
     config = RolloutEngineConfig(model=model_dir, draft=method.split("-")[0], num_speculative_tokens=args.k,
                                  max_model_len=args.max_model_len, seed=0,
-                                 ngramrl=NgramRLConfig(engine=EngineConfig(adaptive_length=not args.fixed_k,
+                                 ngramrl=NgramRLConfig(drafter=DrafterConfig(min_confidence=args.min_confidence),
+                                                       engine=EngineConfig(adaptive_length=not args.fixed_k,
                                                                            prefetch=method == "ngramrl-prefetch")),
                                  engine_args={"max_num_seqs": max(args.concurrency),
                                               # vLLM turns async scheduling off for every n-gram-style
@@ -120,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--fixed-k", action="store_true", help="ngramrl without the step-cost model")
+    parser.add_argument("--min-confidence", type=float, default=0.0,
+                        help="ngramrl drafts stop below this estimated chance (1.0: never draft, which "
+                             "measures what vLLM's speculative mode costs by itself)")
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--max-model-len", type=int, default=2048)
