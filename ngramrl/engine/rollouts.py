@@ -37,6 +37,7 @@ class RolloutEngineConfig:
     max_model_len: int = 1024
     dtype: str = "bfloat16"
     seed: int = 0
+    proposer: str = PROPOSER              # the custom_class behind draft="ngramrl" (the pool's client in the pipeline)
     ngramrl: NgramRLConfig = field(default_factory=NgramRLConfig)
     engine_args: dict[str, Any] = field(default_factory=dict)  # anything else for vllm.LLM
 
@@ -49,7 +50,7 @@ class RolloutEngineConfig:
     def speculative_config(self) -> dict[str, Any] | None:
         k = self.num_speculative_tokens
         if self.draft == "ngramrl":
-            return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
+            return {"method": "custom_class", "model": self.proposer, "num_speculative_tokens": k}
         if self.draft == "ngram":
             return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
         if self.draft == "suffix":
@@ -71,16 +72,18 @@ class RolloutEngine:
         kwargs.update(config.engine_args)
         self.llm = LLM(**kwargs)
 
-    def generate(self, prompts: list[PromptSpec], n: int = 1, epoch: int = 0, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = -1, max_tokens: int = 256, seed: int | None = None,
-                 use_tqdm: bool = False) -> list[Rollout]:
-        """Sample ``n`` rollouts of every prompt; returns them in (prompt, sample) order."""
+    def generate(self, prompts: list[PromptSpec], n: int = 1, epoch: int | dict[str, int] = 0,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, max_tokens: int = 256,
+                 seed: int | None = None, use_tqdm: bool = False) -> list[Rollout]:
+        """Sample ``n`` rollouts of every prompt (``epoch``: one for all, or one per prompt id);
+        returns them in (prompt, sample) order."""
+        epochs = epoch if isinstance(epoch, dict) else {p.prompt_id: epoch for p in prompts}
         from vllm import SamplingParams
 
         inputs, params, keys = [], [], []
         for prompt in prompts:
             for sample in range(n):
-                extra = {"prompt_id": prompt.prompt_id, "epoch": epoch}
+                extra = {"prompt_id": prompt.prompt_id, "epoch": epochs[prompt.prompt_id]}
                 request_seed = None if seed is None else seed + len(keys)
                 params.append(SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                              max_tokens=max_tokens, seed=request_seed, extra_args=extra))
@@ -90,7 +93,7 @@ class RolloutEngine:
         rollouts = []
         for (prompt, sample), out in zip(keys, outputs, strict=True):
             completion = out.outputs[0]
-            rollouts.append(Rollout(prompt.prompt_id, epoch, sample, list(prompt.token_ids),
+            rollouts.append(Rollout(prompt.prompt_id, epochs[prompt.prompt_id], sample, list(prompt.token_ids),
                                     list(completion.token_ids), "length" if completion.finish_reason == "length"
                                     else "stop"))
         return rollouts

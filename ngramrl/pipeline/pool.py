@@ -1,0 +1,389 @@
+"""The CPU drafter pool: Ray actors that own the rollout history, sharded by prompt id.
+
+Each ``DrafterShard`` holds the history of the prompts that hash to it. The driver adds every
+finished rollout (``DrafterPool.add_rollouts``); the engines' proposers (``PoolProposer``) send
+each step's committed tokens, get drafts back, and, while the target verifies a draft, the shard
+predicts the likely outcomes and looks up their next drafts (the prefetch). The pool saves the
+shards' state, notices a dead shard, and rebuilds it from the last save plus the rollouts since.
+
+A shard's history is a function of the finished rollouts alone (live sequences are dropped when
+their request ends and the driver adds the finished rollout), so a rebuilt or restored shard
+drafts exactly as the lost one would have.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ngramrl.config import DrafterConfig, NgramRLConfig
+from ngramrl.core.drafter import EMPTY, Draft, MatchState, NgramDrafter, RequestState, advance
+from ngramrl.core.history import RolloutHistory
+from ngramrl.core.outcome import AcceptanceCalibration, allocate, predict_for
+from ngramrl.core.trace import Rollout
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_VERSION = 1
+
+
+def shard_of(prompt_id: str, shards: int) -> int:
+    """The shard that owns a prompt: a stable hash, the same in every process and run."""
+    return zlib.crc32(prompt_id.encode("utf-8")) % shards
+
+
+def shard_name(namespace_prefix: str, index: int) -> str:
+    return f"{namespace_prefix}-drafter-{index}"
+
+
+@dataclass
+class StepItem:
+    """One request's message to its shard in one engine step."""
+
+    request_id: str
+    prompt_id: str
+    committed: list[int]              # tokens the target committed since the last message
+    k: int                            # the most draft tokens wanted now (0: commit only)
+    prompt: list[int] | None = None   # sent when the shard may not know the request yet
+    before: list[int] | None = None   # output tokens committed before ``committed`` (with ``prompt``)
+    verified: int | None = None       # how much of the last draft was sent for verification
+    hit: bool = False                 # the engine used the prefetched draft for this outcome
+
+
+@dataclass
+class StepReply:
+    request_id: str
+    tokens: list[int]
+    probs: list[float]
+    known: bool = True                # False: the shard lost this request; resend it with its prompt
+
+
+@dataclass
+class ShardStats:
+    rollouts: int = 0
+    steps: int = 0
+    drafts: int = 0
+    prefetched: int = 0
+    step_us: list[float] = field(default_factory=list)
+    prefetch_us: list[float] = field(default_factory=list)
+
+
+class DrafterShard:
+    """The history and live requests of one shard of prompts (a Ray actor in the pipeline)."""
+
+    def __init__(self, index: int, config: NgramRLConfig, stop_tokens: tuple[int, ...] = ()) -> None:
+        self.index = index
+        self.config = config
+        drafter_config = DrafterConfig(**{**config.drafter.__dict__,
+                                          "stop_tokens": tuple(sorted(set(config.drafter.stop_tokens)
+                                                                      | set(stop_tokens)))})
+        self.history = RolloutHistory(config.history)
+        self.drafter = NgramDrafter(self.history, drafter_config)
+        self.calibration = AcceptanceCalibration(config.prefetch.prior_strength)
+        self.requests: dict[str, RequestState] = {}
+        self.issued: dict[str, Draft] = {}                        # the draft each request is verifying
+        self.candidates: dict[str, dict[tuple[int, int], Draft]] = {}  # its prefetched next drafts
+        self.stats = ShardStats()
+        self.started = time.time()
+
+    # -- history ----------------------------------------------------------------------------
+
+    def add_rollouts(self, rollouts: list[tuple[str, list[int], list[int], int]]) -> int:
+        """Finished rollouts (prompt_id, prompt, output, epoch) enter the history."""
+        touched = set()
+        for prompt_id, prompt, output, epoch in rollouts:
+            self.history.add_rollout(prompt_id, prompt, output, epoch)
+            touched.add(prompt_id)
+        for prompt_id in touched:
+            self.history.index_of(prompt_id)  # rebuild now, between steps, not in the next one
+        self.stats.rollouts += len(rollouts)
+        return self.stats.rollouts
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"version": SNAPSHOT_VERSION, "shard": self.index, "prompts": self.history.export()}
+
+    def save(self, path: str) -> str:
+        tmp = f"{path}.tmp"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with gzip.open(tmp, "wt", encoding="utf-8") as handle:
+            json.dump(self.snapshot(), handle)
+        os.replace(tmp, path)
+        return path
+
+    def load(self, path: str) -> int:
+        """Restore the history saved at ``path`` (replaces this shard's history)."""
+        with gzip.open(path, "rt", encoding="utf-8") as handle:
+            data = json.load(handle)
+        if data.get("version") != SNAPSHOT_VERSION:
+            raise ValueError(f"{path}: drafter snapshot version {data.get('version')!r}, "
+                             f"this ngramrl reads version {SNAPSHOT_VERSION}")
+        self.history = RolloutHistory(self.config.history)
+        self.drafter = NgramDrafter(self.history, self.drafter.config)
+        self.requests.clear()
+        self.issued.clear()
+        self.candidates.clear()
+        self.history.restore(data["prompts"])
+        return len(self.history)
+
+    # -- engine steps -----------------------------------------------------------------------
+
+    def step(self, items: list[StepItem], finished: list[str]) -> list[StepReply]:
+        """Commit each request's new tokens and return its next draft (``k`` tokens at most)."""
+        begin = time.perf_counter()
+        for request_id in finished:
+            self._drop(request_id)
+        replies = []
+        for item in items:
+            request = self.requests.get(item.request_id)
+            if request is None:
+                if item.prompt is None:
+                    replies.append(StepReply(item.request_id, [], [], known=False))
+                    continue
+                request = self.drafter.start(item.request_id, item.prompt_id, item.prompt, item.before or [],
+                                             register=True)
+                self.requests[item.request_id] = request
+            else:
+                self._observe(item)
+            self.drafter.commit(request, item.committed)
+            draft = self._next_draft(request, item)
+            self.issued[item.request_id] = draft
+            self.stats.drafts += bool(draft.tokens)
+            replies.append(StepReply(item.request_id, draft.tokens, draft.probs))
+        self.stats.steps += 1
+        self.stats.step_us.append((time.perf_counter() - begin) * 1e6)
+        return replies
+
+    def _observe(self, item: StepItem) -> None:
+        """The last draft's outcome is now known: calibrate on it (causal: it is in the past)."""
+        issued = self.issued.get(item.request_id)
+        if issued is None or not issued.tokens or not item.committed:
+            return
+        if item.verified is not None:
+            issued = issued.truncated(item.verified)
+            self.issued[item.request_id] = issued
+        accepted = len(item.committed) - 1
+        if issued.tokens and item.committed[:accepted] == issued.tokens[:accepted]:
+            self.calibration.observe(issued.probs, accepted)
+
+    def _next_draft(self, request: RequestState, item: StepItem) -> Draft:
+        if item.k <= 0:
+            self.drafter.absorb(request)
+            self.candidates.pop(item.request_id, None)
+            return EMPTY
+        cached = self.candidates.pop(item.request_id, {})
+        if item.hit and item.committed:
+            ready = cached.get((len(item.committed) - 1, item.committed[-1]))
+            if ready is not None:  # the engine is verifying this prefetched draft: make it the issued one
+                self.drafter.absorb(request)
+                return ready.truncated(item.k)
+        return self.drafter.propose(request, item.k)
+
+    def prefetch(self, request_ids: list[str], k: int) -> dict[str, list[tuple[int, int, list[int], list[float]]]]:
+        """While the engine verifies: the next drafts of each request's likeliest outcomes."""
+        begin = time.perf_counter()
+        budget = self.config.prefetch
+        plans = {}
+        for request_id in request_ids:
+            request, draft = self.requests.get(request_id), self.issued.get(request_id)
+            if request is None or draft is None or not draft.tokens or not request.known:
+                continue
+            index = self.drafter.index(request)
+            if index is None:
+                continue
+            plans[request_id] = predict_for(index, request.match, draft, self.calibration, budget.budget,
+                                            budget.levels)
+        chosen = allocate(plans, budget)
+        out: dict[str, list[tuple[int, int, list[int], list[float]]]] = {}
+        for request_id, outcomes in chosen.items():
+            request, draft = self.requests[request_id], self.issued[request_id]
+            found = {}
+            for outcome in outcomes:
+                after = draft.tokens[:outcome.accepted] + [outcome.token]
+                found[(outcome.accepted, outcome.token)] = self.drafter.lookup(request, k, after)
+            self.candidates[request_id] = found
+            out[request_id] = [(j, b, d.tokens, d.probs) for (j, b), d in found.items()]
+            self.stats.prefetched += len(found)
+        self.stats.prefetch_us.append((time.perf_counter() - begin) * 1e6)
+        return out
+
+    def _drop(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        self.issued.pop(request_id, None)
+        self.candidates.pop(request_id, None)
+        if request is not None:
+            self.drafter.finish(request, epoch=None, linger=True)  # the driver adds the finished rollout
+
+    def lookup(self, prompt_id: str, prompt: list[int], output: list[int], k: int) -> tuple[list[int], list[float]]:
+        """The draft after ``output`` from the current history, changing nothing."""
+        index = self.history.index_of(prompt_id)
+        if index is None:
+            return [], []
+        request = RequestState(f"lookup-{prompt_id}", prompt_id, list(prompt), list(output), known=True, index=index,
+                               layout=self.history.layout)
+        request.match = advance(index, MatchState(), self.history.sequence(prompt, output))
+        draft = self.drafter.lookup(request, k)
+        return draft.tokens, draft.probs
+
+    def health(self) -> dict[str, Any]:
+        import statistics
+
+        stats = self.stats
+        return {"shard": self.index, "pid": os.getpid(), "prompts": len(self.history),
+                "stored_tokens": self.history.stored_tokens, "rollouts": stats.rollouts, "steps": stats.steps,
+                "live_requests": len(self.requests), "prefetched": stats.prefetched,
+                "step_us_median": statistics.median(stats.step_us[-2048:]) if stats.step_us else None,
+                "prefetch_us_median": statistics.median(stats.prefetch_us[-2048:]) if stats.prefetch_us else None}
+
+
+@dataclass
+class PoolSettings:
+    """What the engines' proposers need to reach the pool (sent to them as JSON)."""
+
+    names: list[str]
+    namespace: str
+    address: str | None = None
+    draft_timeout_ms: float = 50.0
+    retry_after_s: float = 2.0
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: str) -> PoolSettings:
+        return cls(**json.loads(text))
+
+
+class DrafterPool:
+    """The driver's handle on the shards: routing, saving, health checks and restarts."""
+
+    def __init__(self, shards: int, config: NgramRLConfig, stop_tokens: tuple[int, ...], namespace: str,
+                 snapshot_dir: str, name_prefix: str = "ngramrl", draft_timeout_ms: float = 50.0,
+                 num_cpus: float = 0.25) -> None:
+        import ray
+
+        self.ray = ray
+        self.config = config
+        self.stop_tokens = tuple(stop_tokens)
+        self.namespace = namespace
+        self.snapshot_dir = snapshot_dir
+        self.names = [shard_name(name_prefix, i) for i in range(shards)]
+        self.num_cpus = num_cpus
+        self.draft_timeout_ms = draft_timeout_ms
+        self.actor_class = ray.remote(num_cpus=num_cpus, max_restarts=0)(DrafterShard)
+        self.handles = [self._create(i) for i in range(shards)]
+        self.since_save: list[list[tuple[str, list[int], list[int], int]]] = [[] for _ in range(shards)]
+        self.saved: list[str | None] = [None] * shards
+        self.restarts = 0
+        self.restarted_shards: list[int] = []
+
+    def _create(self, index: int) -> Any:
+        return self.actor_class.options(name=self.names[index], namespace=self.namespace,
+                                        lifetime=None).remote(index, self.config, self.stop_tokens)
+
+    def settings(self) -> PoolSettings:
+        context = self.ray.get_runtime_context()
+        address = getattr(context, "gcs_address", None)
+        return PoolSettings(self.names, self.namespace, address, self.draft_timeout_ms)
+
+    def add_rollouts(self, rollouts: list[Rollout]) -> None:
+        by_shard: list[list[tuple[str, list[int], list[int], int]]] = [[] for _ in self.names]
+        for rollout in rollouts:
+            record = (rollout.prompt_id, list(rollout.prompt), list(rollout.output), rollout.epoch)
+            by_shard[shard_of(rollout.prompt_id, len(self.names))].append(record)
+        refs = []
+        for index, records in enumerate(by_shard):
+            if records:
+                self.since_save[index].extend(records)
+                refs.append((index, self.handles[index].add_rollouts.remote(records)))
+        for index, ref in refs:
+            try:
+                self.ray.get(ref, timeout=120)
+            except Exception as err:  # noqa: BLE001 - a dead shard is rebuilt by heal()
+                logger.warning("drafter shard %d did not take rollouts (%s); it will be rebuilt", index, err)
+
+    def save(self) -> list[str | None]:
+        """Every live shard saves its history; the rollouts since are kept for rebuilding."""
+        refs = []
+        for index, handle in enumerate(self.handles):
+            path = os.path.join(self.snapshot_dir, f"shard-{index}.json.gz")
+            refs.append((index, path, handle.save.remote(path)))
+        for index, path, ref in refs:
+            try:
+                self.ray.get(ref, timeout=300)
+            except Exception as err:  # noqa: BLE001
+                logger.warning("drafter shard %d could not save (%s)", index, err)
+                continue
+            self.saved[index] = path
+            self.since_save[index] = []
+        return list(self.saved)
+
+    def restore(self, snapshot_dir: str) -> int:
+        """Load every shard's saved history from ``snapshot_dir`` (a resumed run starts warm)."""
+        refs = []
+        for index, handle in enumerate(self.handles):
+            path = os.path.join(snapshot_dir, f"shard-{index}.json.gz")
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{path}: no saved drafter shard {index} (was the pool saved with "
+                                        f"{len(self.handles)} shards?)")
+            refs.append(handle.load.remote(path))
+        return sum(self.ray.get(refs))
+
+    def health(self, timeout_s: float = 10.0) -> list[dict[str, Any] | None]:
+        """Each shard's health report, None for a shard that did not answer in time."""
+        refs = [handle.health.remote() for handle in self.handles]
+        reports: list[dict[str, Any] | None] = []
+        for ref in refs:
+            try:
+                reports.append(self.ray.get(ref, timeout=timeout_s))
+            except Exception:  # noqa: BLE001
+                reports.append(None)
+        return reports
+
+    def heal(self, timeout_s: float = 10.0) -> list[int]:
+        """Restart shards that died (or hang), rebuilt from their last save plus the rollouts since."""
+        restarted = []
+        for index, report in enumerate(self.health(timeout_s)):
+            if report is not None:
+                continue
+            logger.warning("drafter shard %d is down: restarting it", index)
+            try:
+                self.ray.kill(self.handles[index], no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            self.handles[index] = self._wait_create(index)
+            if self.saved[index] is not None:
+                self.ray.get(self.handles[index].load.remote(self.saved[index]))
+            if self.since_save[index]:
+                self.ray.get(self.handles[index].add_rollouts.remote(self.since_save[index]))
+            restarted.append(index)
+        self.restarts += len(restarted)
+        self.restarted_shards.extend(restarted)
+        return restarted
+
+    def _wait_create(self, index: int) -> Any:
+        """Create the shard again under its name (the dead actor's name is freed asynchronously)."""
+        deadline = time.time() + 30
+        while True:
+            try:
+                return self._create(index)
+            except ValueError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def lookup(self, prompt_id: str, prompt: list[int], output: list[int], k: int) -> tuple[list[int], list[float]]:
+        handle = self.handles[shard_of(prompt_id, len(self.handles))]
+        return self.ray.get(handle.lookup.remote(prompt_id, prompt, output, k))
+
+    def shutdown(self) -> None:
+        for handle in self.handles:
+            try:
+                self.ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass

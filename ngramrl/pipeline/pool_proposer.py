@@ -1,0 +1,230 @@
+"""The vLLM proposer that drafts from the Ray drafter pool instead of a history in the engine.
+
+    speculative_config={"method": "custom_class", "num_speculative_tokens": k,
+                        "model": "ngramrl.pipeline.pool_proposer.PoolProposer"}
+
+Settings arrive in ``NGRAMRL_POOL`` (``PoolSettings`` as JSON). Each engine step sends every
+request's committed tokens to the shard that owns its prompt (one call per shard, all shards at
+once). While the target verifies, the shards look up the next drafts of the likeliest outcomes;
+when the real outcome was among them, the next draft is ready without waiting for the pool.
+Otherwise the proposer waits for the shard's answer up to ``draft_timeout_ms`` and drafts
+nothing for a row whose answer is late or whose shard failed. Drafts only ever propose, so the
+committed tokens are the same whatever the pool does.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ngramrl.core.drafter import EMPTY, Draft
+from ngramrl.engine.vllm_proposer import NgramRLProposer, Row
+from ngramrl.pipeline.pool import PoolSettings, StepItem, StepReply, shard_of
+
+POOL_ENV = "NGRAMRL_POOL"
+POOL_PROPOSER = "ngramrl.pipeline.pool_proposer.PoolProposer"
+
+
+@dataclass
+class PoolRequest:
+    req_id: str
+    prompt_id: str
+    prompt: list[int]
+    output: list[int]
+    shard: int
+    synced_with: str | None = None   # the shard actor that knows this request
+    verified: int | None = None      # length of the draft sent for verification last step
+
+
+@dataclass
+class PoolClientStats:
+    calls: int = 0
+    late_rows: int = 0       # rows whose draft did not come back within the timeout
+    down_rows: int = 0       # rows whose shard was down (no draft)
+    errors: int = 0          # failed calls to a shard
+    reconnects: int = 0
+    prefetch_late: int = 0   # prefetch answers not back by the next step
+    wait_us: list[float] = field(default_factory=list)
+
+
+def connect_ray(settings: PoolSettings) -> Any:
+    """The engine may run in its own process: join the cluster the pool lives in."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=settings.address or "auto", namespace=settings.namespace, log_to_driver=False,
+                 include_dashboard=False, configure_logging=False)
+    return ray
+
+
+class PoolProposer(NgramRLProposer):
+    def _setup_drafting(self) -> None:
+        text = os.environ.get(POOL_ENV)
+        if not text:
+            raise RuntimeError(f"{POOL_ENV} is not set: PoolProposer drafts from a Ray drafter pool and needs its "
+                               "settings (the rollout worker sets them)")
+        self.settings = PoolSettings.from_json(text)
+        self.ray = connect_ray(self.settings)
+        from ray.exceptions import RayError
+
+        self.ray_error = RayError
+        shards = len(self.settings.names)
+        self.handles: list[Any | None] = [None] * shards
+        self.actor_ids: list[str | None] = [None] * shards
+        self.retry_at = [0.0] * shards
+        self.finished: list[list[str]] = [[] for _ in range(shards)]
+        self.candidates: dict[str, dict[tuple[int, int], Draft]] = {}
+        self.step_refs: list[tuple[int, Any]] = []
+        self.prefetch_refs: list[tuple[int, Any]] = []
+        self.client = PoolClientStats()
+
+    # -- shards -----------------------------------------------------------------------------
+
+    def new_batch(self) -> None:
+        """Between generate calls the pool may have restarted shards: look for them again now."""
+        self.retry_at = [0.0] * len(self.retry_at)
+
+    def _handle(self, shard: int) -> Any | None:
+        handle = self.handles[shard]
+        if handle is not None or time.monotonic() < self.retry_at[shard]:
+            return handle
+        try:
+            handle = self.ray.get_actor(self.settings.names[shard], namespace=self.settings.namespace)
+        except ValueError:  # not (yet) restarted by the pool
+            self.retry_at[shard] = time.monotonic() + self.settings.retry_after_s
+            return None
+        self.handles[shard] = handle
+        self.actor_ids[shard] = handle._actor_id.hex()
+        self.client.reconnects += 1
+        return handle
+
+    def _shard_failed(self, shard: int) -> None:
+        self.client.errors += 1
+        self.handles[shard] = None
+        self.actor_ids[shard] = None
+        self.retry_at[shard] = time.monotonic()  # look the name up again next step (the pool may have restarted it)
+
+    def _get(self, shard: int, ref: Any) -> Any | None:
+        try:
+            return self.ray.get(ref, timeout=0)
+        except self.ray_error:
+            self._shard_failed(shard)
+            return None
+
+    # -- the proposer's drafting hooks --------------------------------------------------------
+
+    def _start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> PoolRequest:
+        return PoolRequest(req_id, prompt_id, prompt, list(before), shard_of(prompt_id, len(self.handles)))
+
+    def _finish(self, request: PoolRequest, epoch: int) -> None:
+        self.finished[request.shard].append(request.req_id)
+        self.candidates.pop(request.req_id, None)
+
+    def _begin_step(self) -> None:
+        """Take the prefetch answers that came back during the forward; surface failed calls."""
+        refs = self.step_refs + self.prefetch_refs
+        if refs:
+            ready, _ = self.ray.wait([ref for _, ref in refs], num_returns=len(refs), timeout=0)
+            ready_set = set(ready)
+            for shard, ref in self.step_refs:
+                if ref in ready_set:
+                    self._get(shard, ref)
+            for shard, ref in self.prefetch_refs:
+                if ref not in ready_set:
+                    self.client.prefetch_late += 1
+                    continue
+                found = self._get(shard, ref)
+                for req_id, outcomes in (found or {}).items():
+                    self.candidates[req_id] = {(j, b): Draft(tokens, probs, source="prompt")
+                                               for j, b, tokens, probs in outcomes}
+        self.step_refs, self.prefetch_refs = [], []
+
+    def _draft(self, rows: list[Row]) -> list[Draft]:
+        drafts: list[Draft] = [EMPTY] * len(rows)
+        items: dict[int, list[StepItem]] = {}
+        waiting: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            request: PoolRequest = row.request
+            committed = row.sampled
+            ready = None
+            if row.k > 0:
+                ready = self.candidates.pop(request.req_id, {}).get((len(committed) - 1, committed[-1]))
+            handle = self._handle(request.shard)
+            if handle is None:
+                request.synced_with = None
+                request.output.extend(committed)
+                self.client.down_rows += row.k > 0 and ready is None
+                continue
+            item = StepItem(request.req_id, request.prompt_id, committed, row.k, verified=request.verified,
+                            hit=ready is not None)
+            if request.synced_with != self.actor_ids[request.shard]:
+                item.prompt, item.before = request.prompt, list(request.output)
+                request.synced_with = self.actor_ids[request.shard]
+            request.output.extend(committed)
+            items.setdefault(request.shard, []).append(item)
+            if ready is not None:
+                drafts[i] = ready.truncated(row.k)
+                self.stats.prefetch_hits += 1
+            elif row.k > 0:
+                waiting.setdefault(request.shard, []).append(i)
+        refs: dict[int, Any] = {}
+        for shard, shard_items in items.items():
+            handle = self.handles[shard]
+            refs[shard] = handle.step.remote(shard_items, self.finished[shard])
+            self.finished[shard] = []
+            self.client.calls += 1
+        if waiting:
+            self._wait_for_drafts(rows, drafts, refs, waiting)
+        self.step_refs = [(shard, ref) for shard, ref in refs.items() if shard not in waiting]
+        return drafts
+
+    def _wait_for_drafts(self, rows: list[Row], drafts: list[Draft], refs: dict[int, Any],
+                         waiting: dict[int, list[int]]) -> None:
+        begin = time.perf_counter()
+        pending = [refs[shard] for shard in waiting]
+        ready, _ = self.ray.wait(pending, num_returns=len(pending), timeout=self.settings.draft_timeout_ms / 1000)
+        self.client.wait_us.append((time.perf_counter() - begin) * 1e6)
+        ready_set = set(ready)
+        for shard, indices in waiting.items():
+            replies: list[StepReply] | None = None
+            if refs[shard] in ready_set:
+                replies = self._get(shard, refs[shard])
+            if replies is None:
+                self.client.late_rows += len(indices) if refs[shard] not in ready_set else 0
+                self.client.down_rows += len(indices) if refs[shard] in ready_set else 0
+                continue
+            by_id = {reply.request_id: reply for reply in replies}
+            for i in indices:
+                request: PoolRequest = rows[i].request
+                reply = by_id.get(request.req_id)
+                if reply is None:
+                    continue
+                if not reply.known:
+                    request.synced_with = None  # the shard was replaced: send the whole request next step
+                    continue
+                drafts[i] = Draft(reply.tokens, reply.probs, source="prompt").truncated(rows[i].k)
+
+    def _end_step(self, rows: list[Row], drafts: list[Draft]) -> None:
+        by_shard: dict[int, list[str]] = {}
+        for row, draft in zip(rows, drafts, strict=True):
+            request: PoolRequest = row.request
+            request.verified = len(draft.tokens)
+            if draft.tokens and self.handles[request.shard] is not None:
+                by_shard.setdefault(request.shard, []).append(request.req_id)
+        if not (self.config.engine.prefetch and self.config.prefetch.budget > 0):
+            return
+        for shard, req_ids in by_shard.items():
+            handle = self.handles[shard]
+            if handle is not None:
+                self.prefetch_refs.append((shard, handle.prefetch.remote(req_ids, self.k)))
+
+    def _backend_stats(self) -> dict[str, Any]:
+        import statistics
+
+        client = self.client
+        return {"pool_calls": client.calls, "pool_late_rows": client.late_rows, "pool_down_rows": client.down_rows,
+                "pool_errors": client.errors, "pool_reconnects": client.reconnects,
+                "pool_prefetch_late": client.prefetch_late,
+                "pool_wait_us_median": statistics.median(client.wait_us[-4096:]) if client.wait_us else None}

@@ -1,0 +1,143 @@
+"""Rewards for the three workloads, computed from the model's text and the task's reference.
+
+- gsm: 1 if the last 'Answer: <number>' (or, failing that, the last number) equals the gold answer.
+- bfcl: 0.1 for one valid JSON object of the form {"name", "arguments"}, 0.4 with the right
+  function, 1.0 when every argument is one the benchmark allows and no required one is missing.
+- spider: 1 if the predicted query's result on the SQLite database equals the gold query's
+  (as a multiset of rows; in order when the gold query sorts), 0 if it differs or fails to run.
+
+Malformed outputs score 0 and never raise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import time
+from collections import Counter
+from typing import Any
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+
+
+def _to_number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", "").rstrip("."))
+    except ValueError:
+        return None
+
+
+def gsm_reward(text: str, reference: dict[str, Any]) -> float:
+    gold = _to_number(str(reference["answer"]))
+    answers = re.findall(r"[Aa]nswer\s*[:=]?\s*\$?\s*(" + _NUMBER + ")", text)
+    candidates = answers or re.findall(_NUMBER, text)
+    if gold is None or not candidates:
+        return 0.0
+    predicted = _to_number(candidates[-1])
+    return float(predicted is not None and abs(predicted - gold) <= 1e-6 * max(1.0, abs(gold)))
+
+
+def _strip_fences(text: str) -> str:
+    fenced = re.search(r"```(?:[a-zA-Z]+)?\s*(.*?)```", text, re.S)
+    return (fenced.group(1) if fenced else text).strip()
+
+
+def _parse_call(text: str) -> dict[str, Any] | None:
+    body = _strip_fences(text)
+    start = body.find("{")
+    if start < 0:
+        return None
+    try:
+        value, _ = json.JSONDecoder().raw_decode(body[start:])
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return {"name": value["name"], "arguments": arguments}
+
+
+def _same_value(given: Any, allowed: Any) -> bool:
+    if isinstance(allowed, str) and isinstance(given, str):
+        return given.strip().lower() == allowed.strip().lower()
+    if isinstance(allowed, (int, float)) and isinstance(given, (int, float)) and not isinstance(given, bool):
+        return abs(float(given) - float(allowed)) <= 1e-9
+    if isinstance(allowed, list) and isinstance(given, list):
+        return len(given) == len(allowed) and all(map(_same_value, given, allowed))
+    if isinstance(allowed, dict) and isinstance(given, dict):
+        return given.keys() == allowed.keys() and all(_same_value(given[k], allowed[k]) for k in allowed)
+    return given == allowed
+
+
+def bfcl_reward(text: str, reference: dict[str, Any]) -> float:
+    call = _parse_call(text)
+    if call is None:
+        return 0.0
+    best = 0.1
+    for option in reference.get("ground_truth", []):
+        for name, parameters in option.items():
+            if call["name"] != name:
+                continue
+            best = max(best, 0.4)
+            arguments = call["arguments"]
+            if set(arguments) - set(parameters):
+                continue
+            ok = True
+            for parameter, allowed in parameters.items():
+                if parameter not in arguments:
+                    ok = "" in allowed  # "" marks an optional parameter
+                elif not any(_same_value(arguments[parameter], value) for value in allowed if value != ""):
+                    ok = False
+                if not ok:
+                    break
+            if ok:
+                return 1.0
+    return best
+
+
+def extract_sql(text: str) -> str:
+    body = _strip_fences(text)
+    match = re.search(r"\b(SELECT|WITH)\b", body, re.I)
+    if match:
+        body = body[match.start():]
+    return body.split(";")[0].strip()
+
+
+def _run_query(db_path: str, sql: str, max_seconds: float) -> list[tuple] | None:
+    connection = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    deadline = time.monotonic() + max_seconds
+    connection.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+    try:
+        return connection.execute(sql).fetchall()
+    except (sqlite3.Error, sqlite3.Warning, ValueError):
+        return None
+    finally:
+        connection.close()
+
+
+def spider_reward(text: str, reference: dict[str, Any], max_seconds: float = 5.0) -> float:
+    sql = extract_sql(text)
+    if not sql:
+        return 0.0
+    predicted = _run_query(reference["db_path"], sql, max_seconds)
+    if predicted is None:
+        return 0.0
+    gold = _run_query(reference["db_path"], reference["gold_sql"], max_seconds)
+    if gold is None:
+        raise ValueError(f"the gold query of {reference.get('db_id', reference['db_path'])} does not run: "
+                         f"{reference['gold_sql']!r}")
+    if re.search(r"\border\s+by\b", reference["gold_sql"], re.I):
+        return float(predicted == gold)
+    return float(Counter(map(repr, predicted)) == Counter(map(repr, gold)))
+
+
+REWARDS = {"gsm": gsm_reward, "bfcl": bfcl_reward, "spider": spider_reward}
+
+
+def reward(workload: str, text: str, reference: dict[str, Any]) -> float:
+    if workload not in REWARDS:
+        raise ValueError(f"no reward for workload {workload!r}; known: {', '.join(REWARDS)}")
+    return REWARDS[workload](text, reference)

@@ -1,0 +1,325 @@
+"""The training loop: rollouts with ngramrl on Ray, rewards, GRPO with DeepSpeed, weight sync.
+
+    result = train(load_config("ray_configs/cpu_default.yaml"))
+
+Each step samples ``prompts_per_step`` prompts (revisiting the workload's prompts, so their
+history warms), generates ``samples_per_prompt`` rollouts of each on the rollout workers, adds
+them to the drafter pool, scores them, trains the policy on them and sends the new weights to
+the workers. The history is not flushed when the policy changes: its bounded window keeps it fresh.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
+from ngramrl.engine.rollouts import PromptSpec
+from ngramrl.pipeline.config import TrainConfig, load_reward
+from ngramrl.pipeline.grpo import group_advantages
+from ngramrl.pipeline.pool import DrafterPool
+from ngramrl.pipeline.rewards import reward
+from ngramrl.pipeline.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    reward: float
+    reward_std: float
+    loss: float
+    kl: float
+    clip_fraction: float
+    rollout_seconds: float
+    train_seconds: float
+    sync_seconds: float
+    tokens: int
+    tokens_per_forward: float      # committed tokens per target forward (vLLM's counters)
+    acceptance: float              # accepted / drafted tokens
+    coverage: float                # next drafts served by the prefetch / drafts verified
+    drafter_ms_per_step: float     # the proposer's time per engine step (incl. waiting for the pool)
+    pool_fallback_rows: int        # rows that drafted nothing because a shard was late or down
+    pool_restarts: int
+    pool_healthy: int
+    weight_sync_error: float = 0.0  # largest relative gap between trainer and engine weights (checked each step)
+    policy_checksum: float = 0.0    # sum of the trainer's embedding weights after the step
+
+    def line(self) -> str:
+        return (f"step {self.step:3d}  reward {self.reward:.3f}  loss {self.loss:+.4f}  kl {self.kl:.4f}  "
+                f"tok/fwd {self.tokens_per_forward:.2f}  accept {self.acceptance:.2f}  coverage {self.coverage:.2f}  "
+                f"rollout {self.rollout_seconds:.1f}s ({self.tokens / max(self.rollout_seconds, 1e-9):.0f} tok/s)  "
+                f"train {self.train_seconds:.1f}s  pool {self.pool_healthy} up, {self.pool_restarts} restarts")
+
+
+@dataclass
+class TrainResult:
+    steps: list[StepRecord]
+    trace_path: str
+    output_dir: str
+    rollouts: list[Rollout] = field(default_factory=list)
+    wandb_dir: str | None = None
+
+    def summary(self) -> str:
+        head = (f"{'step':>4} {'reward':>7} {'loss':>8} {'tok/fwd':>7} {'accept':>6} {'cover':>6} "
+                f"{'rollout s':>9} {'tok/s':>6} {'train s':>7} {'fallback':>8} {'restarts':>8}")
+        rows = [head]
+        for r in self.steps:
+            rows.append(f"{r.step:>4} {r.reward:>7.3f} {r.loss:>+8.4f} {r.tokens_per_forward:>7.2f} "
+                        f"{r.acceptance:>6.2f} {r.coverage:>6.2f} {r.rollout_seconds:>9.1f} "
+                        f"{r.tokens / max(r.rollout_seconds, 1e-9):>6.0f} {r.train_seconds:>7.1f} "
+                        f"{r.pool_fallback_rows:>8d} {r.pool_restarts:>8d}")
+        total = sum(r.rollout_seconds for r in self.steps)
+        rows.append(f"rollout time {total:.1f}s over {len(self.steps)} steps; trace: {self.trace_path}")
+        return "\n".join(rows)
+
+
+def resolve_model(path: str) -> str:
+    if path == "smollm2-135m-instruct":
+        from ngramrl.data.models import prepare_smollm2
+
+        return prepare_smollm2()
+    local = os.path.expanduser(path)
+    return os.path.abspath(local) if os.path.isdir(local) else path  # else a Hugging Face model id
+
+
+def _threads_env(threads: int) -> dict[str, Any]:
+    """Ray limits an actor to as many OpenMP threads as CPUs it reserved (often 1): let the
+    rollout and training phases, which alternate, use the cores they are given."""
+    count = threads or os.cpu_count() or 1
+    return {"env_vars": {"OMP_NUM_THREADS": str(count), "MKL_NUM_THREADS": str(count)}}
+
+
+def _prompt_specs(config: TrainConfig, model_dir: str) -> tuple[list[PromptSpec], dict[str, Any]]:
+    from transformers import AutoTokenizer
+
+    from ngramrl.data.workloads import load_tasks
+
+    workload = config.workload
+    tasks = load_tasks(workload.name, workload.prompts, seed=workload.seed, spider_dir=workload.spider_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    specs, references = [], {}
+    for task in tasks:
+        ids = tokenizer.apply_chat_template(task.messages, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if len(ids) + config.rollout.max_tokens > config.rollout.max_model_len:
+            raise ValueError(f"prompt {task.prompt_id} has {len(ids)} tokens: with rollout.max_tokens "
+                             f"{config.rollout.max_tokens} it exceeds rollout.max_model_len "
+                             f"{config.rollout.max_model_len}")
+        specs.append(PromptSpec(task.prompt_id, ids))
+        references[task.prompt_id] = task.reference
+    return specs, {"references": references, "tokenizer": tokenizer}
+
+
+def _ratio(numerator: float, denominator: float, empty: float = 0.0) -> float:
+    return numerator / denominator if denominator else empty
+
+
+def train(config: TrainConfig, during_rollout: Callable[[int, DrafterPool], None] | None = None) -> TrainResult:
+    """Run ``config.run.steps`` RL steps; ``during_rollout(step, pool)`` runs while a step generates
+    (tests use it to inject faults)."""
+    import ray
+
+    from ngramrl.pipeline.trainer import PolicyTrainer
+    from ngramrl.pipeline.workers import RolloutWorker
+
+    run, rollout = config.run, config.rollout
+    output_dir = os.path.abspath(run.output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "config.json"), "w") as handle:
+        json.dump(config.to_dict(), handle, indent=1)
+    model_dir = resolve_model(config.model.path)
+    prompts, extra = _prompt_specs(config, model_dir)
+    references, tokenizer = extra["references"], extra["tokenizer"]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    score_fn = (load_reward(config.workload.reward) if config.workload.reward
+                else functools.partial(reward, config.workload.name))
+
+    started_ray = False
+    if not ray.is_initialized():
+        needed = (rollout.engines * rollout.num_cpus_per_engine + config.trainer.num_actors
+                  * config.trainer.num_cpus_per_actor + config.pool.shards * config.pool.num_cpus_per_shard)
+        kwargs: dict[str, Any] = {"namespace": config.ray.namespace, "include_dashboard": False}
+        if config.ray.address:
+            kwargs["address"] = config.ray.address
+        else:
+            # Ray's CPU counts are scheduling tokens: ask for enough that every actor fits on a small machine.
+            kwargs["num_cpus"] = config.ray.num_cpus or max(int(needed + 0.999), os.cpu_count() or 1)
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster: no token needed
+        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), "TOKENIZERS_PARALLELISM": "false"}
+        ray.init(runtime_env={"env_vars": env}, **kwargs)
+        started_ray = True
+    tracker = Tracker(config.tracking, config.to_dict(), output_dir)
+    pool = None
+    actors: list[Any] = []
+    try:
+        use_pool = rollout.draft == "ngramrl"
+        if use_pool:
+            pool = DrafterPool(config.pool.shards, config.ngramrl, tuple(eos), namespace=config.ray.namespace,
+                               snapshot_dir=os.path.join(output_dir, "pool"), name_prefix=f"ngramrl-{os.getpid()}",
+                               draft_timeout_ms=config.pool.draft_timeout_ms, num_cpus=config.pool.num_cpus_per_shard)
+            if config.pool.restore_from:
+                restored = pool.restore(os.path.expanduser(config.pool.restore_from))
+                logger.info("drafter pool restored: %d prompts", restored)
+        worker_class = ray.remote(num_cpus=rollout.num_cpus_per_engine, num_gpus=rollout.num_gpus_per_engine,
+                                  runtime_env=_threads_env(rollout.threads))(RolloutWorker)
+        workers = [worker_class.remote(i, model_dir, rollout, config.ngramrl, pool.settings() if pool else None,
+                                       config.model.rollout_dtype, run.seed) for i in range(rollout.engines)]
+        actors.extend(workers)
+        world = config.trainer.num_actors
+        batch = rollout.prompts_per_step * rollout.samples_per_prompt
+        trainer_class = ray.remote(num_cpus=config.trainer.num_cpus_per_actor,
+                                   num_gpus=config.trainer.num_gpus_per_actor,
+                                   runtime_env=_threads_env(config.trainer.threads))(PolicyTrainer)
+        trainers = [trainer_class.remote(model_dir, config.model, config.trainer, batch // world, run.seed, rank, world)
+                    for rank in range(world)]
+        actors.extend(trainers)
+        master, port = ray.get(trainers[0].rendezvous.remote())
+        trainer_ready = [t.setup.remote(master, port) for t in trainers]
+        ray.get([w.eos_token_ids.remote() for w in workers] + trainer_ready)  # all up (errors surface here)
+        trace = TraceWriter(os.path.join(output_dir, "rollouts.jsonl.gz"), TraceHeader(
+            vocab_size=len(tokenizer), eos_token_ids=eos, model=os.path.basename(os.path.normpath(model_dir)),
+            workload=config.workload.name, temperature=rollout.temperature, top_p=rollout.top_p,
+            max_tokens=rollout.max_tokens, extra={"ngramrl_run": os.path.basename(output_dir)}))
+        visits: dict[str, int] = {}
+        records: list[StepRecord] = []
+        progress = _progress(run.steps, config.tracking.progress)
+        for step in range(run.steps):
+            chosen = [prompts[(step * rollout.prompts_per_step + i) % len(prompts)]
+                      for i in range(rollout.prompts_per_step)]
+            epoch = {p.prompt_id: visits.get(p.prompt_id, 0) for p in chosen}
+            progress.set_description(f"step {step}: rollouts")
+            begin = time.perf_counter()
+            refs = []
+            for e, worker in enumerate(workers):
+                mine = chosen[e::len(workers)]  # all samples of a prompt on one engine: siblings share drafts
+                if mine:
+                    refs.append(worker.generate.remote(mine, rollout.samples_per_prompt, epoch,
+                                                       run.seed * 1_000_003 + step * 10_007 + e * 1_009))
+            if during_rollout is not None and pool is not None:
+                during_rollout(step, pool)
+            results = ray.get(refs)
+            rollout_seconds = time.perf_counter() - begin
+            step_rollouts: list[Rollout] = [r for res in results for r in res["rollouts"]]
+            metrics: dict[str, float] = {}
+            for res in results:
+                for name, value in res["metrics"].items():
+                    metrics[name] = metrics.get(name, 0.0) + value
+            for p in chosen:
+                visits[p.prompt_id] = visits.get(p.prompt_id, 0) + 1
+            restarts_before = pool.restarts if pool else 0
+            if pool is not None:
+                pool.heal()
+                pool.add_rollouts(step_rollouts)
+            progress.set_description(f"step {step}: rewards")
+            texts = tokenizer.batch_decode([r.output for r in step_rollouts], skip_special_tokens=True)
+            scores = [score_fn(text, references[r.prompt_id]) for text, r in zip(texts, step_rollouts, strict=True)]
+            advantages = group_advantages(scores, [r.prompt_id for r in step_rollouts])
+            for r, score in zip(step_rollouts, scores, strict=True):
+                r.reward, r.policy_version = score, step
+                trace.add(r)
+            trace.flush()
+            progress.set_description(f"step {step}: training")
+            samples = [{"prompt": r.prompt, "output": r.output, "advantage": a}
+                       for r, a in zip(step_rollouts, advantages, strict=True)]
+            share = len(samples) // world
+            train_metrics = ray.get([t.train_step.remote(samples[rank * share:(rank + 1) * share])
+                                     for rank, t in enumerate(trainers)])
+            progress.set_description(f"step {step}: weights")
+            sync_begin = time.perf_counter()
+            weights = trainers[0].weights.remote()
+            ray.get([w.load_weights.remote(weights) for w in workers])
+            sync_seconds = time.perf_counter() - sync_begin
+            sync_error, checksum = _weight_sync_error(ray, trainers[0], workers)
+            if pool is not None and config.pool.save_every and (step + 1) % config.pool.save_every == 0:
+                pool.save()
+            health = pool.health() if pool is not None else []
+            record = _record(step, scores, train_metrics, metrics, rollout_seconds, sync_seconds,
+                             restarts=(pool.restarts if pool else 0), healthy=sum(h is not None for h in health))
+            records.append(record)
+            record.weight_sync_error, record.policy_checksum = sync_error, checksum
+            tracker.log(step, {**asdict(record), **{f"engine/{k}": v for k, v in metrics.items()},
+                               "pool/restarts_this_step": (pool.restarts if pool else 0) - restarts_before})
+            progress.write(record.line())
+            progress.update(1)
+        progress.close()
+        result = TrainResult(records, trace.path, output_dir, trace.rollouts, tracker.directory)
+        with open(os.path.join(output_dir, "summary.json"), "w") as handle:
+            json.dump([asdict(r) for r in records], handle, indent=1)
+        return result
+    finally:
+        tracker.finish()
+        for actor in actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001
+                pass
+        if pool is not None:
+            pool.shutdown()
+        if started_ray:
+            ray.shutdown()
+
+
+def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]], engine: dict[str, float],
+            rollout_seconds: float, sync_seconds: float, restarts: int, healthy: int) -> StepRecord:
+    import statistics
+
+    tokens = engine.get("tokens", 0.0)
+    accepted = engine.get("vllm_num_accepted_tokens", 0.0)
+    forwards = tokens - accepted
+    mean = lambda key: sum(m[key] for m in train_metrics) / len(train_metrics)  # noqa: E731
+    return StepRecord(
+        step=step, reward=statistics.fmean(scores), reward_std=statistics.pstdev(scores), loss=mean("loss"),
+        kl=mean("kl"), clip_fraction=mean("clip_fraction"), rollout_seconds=rollout_seconds,
+        train_seconds=max(m["train_seconds"] for m in train_metrics), sync_seconds=sync_seconds, tokens=int(tokens),
+        tokens_per_forward=_ratio(tokens, forwards, 1.0),
+        acceptance=_ratio(accepted, engine.get("vllm_num_draft_tokens", 0.0)),
+        coverage=_ratio(engine.get("prefetch_hits", 0.0), engine.get("drafts", 0.0)),
+        drafter_ms_per_step=_ratio(engine.get("draft_us_total", 0.0), engine.get("steps", 0.0)) / 1000,
+        pool_fallback_rows=int(engine.get("pool_late_rows", 0.0) + engine.get("pool_down_rows", 0.0)),
+        pool_restarts=restarts, pool_healthy=healthy)
+
+
+CHECKED_WEIGHTS = ["model.embed_tokens.weight"]
+
+
+def _weight_sync_error(ray: Any, trainer: Any, workers: list[Any]) -> tuple[float, float]:
+    """How far the engines' weights are from the trainer's, on a parameter both name the same;
+    and the trainer's own sum of it."""
+    expected = ray.get(trainer.param_sums.remote(CHECKED_WEIGHTS))
+    worst = 0.0
+    for sums in ray.get([w.param_sums.remote(CHECKED_WEIGHTS) for w in workers]):
+        for name, value in expected.items():
+            if name not in sums:
+                continue
+            worst = max(worst, abs(sums[name] - value) / max(1.0, abs(value)))
+    return worst, sum(expected.values())
+
+
+class _NoProgress:
+    def set_description(self, text: str) -> None:
+        pass
+
+    def write(self, text: str) -> None:
+        print(text, flush=True)
+
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", dynamic_ncols=True)

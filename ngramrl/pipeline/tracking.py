@@ -1,0 +1,54 @@
+"""Experiment tracking: wandb (offline unless configured otherwise) plus a JSON-lines log.
+
+A tracking failure never stops training: wandb problems are logged once and tracking goes on
+in ``metrics.jsonl`` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from ngramrl.pipeline.config import TrackingSection
+
+logger = logging.getLogger(__name__)
+
+
+class Tracker:
+    def __init__(self, config: TrackingSection, run_config: dict[str, Any], output_dir: str) -> None:
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.directory: str | None = None
+        self.run: Any = None
+        open(self.path, "w").close()
+        if config.wandb == "disabled":
+            return
+        try:
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.run = wandb.init(project=config.project, name=config.run_name, config=run_config, mode=config.wandb,
+                                  dir=output_dir, reinit="finish_previous")
+            self.directory = getattr(self.run, "dir", None)
+        except Exception as err:  # noqa: BLE001 - tracking must not break a run
+            logger.warning("wandb is unavailable (%s); metrics go to %s only", err, self.path)
+            self.run = None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.run is not None:
+            try:
+                self.run.log(metrics, step=step)
+            except Exception as err:  # noqa: BLE001
+                logger.warning("wandb log failed (%s); continuing with %s", err, self.path)
+                self.run = None
+
+    def finish(self) -> None:
+        if self.run is not None:
+            try:
+                self.run.finish()
+            except Exception:  # noqa: BLE001
+                pass
+            self.run = None

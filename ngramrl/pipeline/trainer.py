@@ -1,0 +1,187 @@
+"""The policy trainer: a DeepSpeed engine running GRPO on verified rollouts (a Ray actor).
+
+CPU here (gloo, ``DS_ACCELERATOR=cpu``), GPUs elsewhere (nccl): the same code, other settings.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from typing import Any
+
+from ngramrl.pipeline.config import ModelSection, TrainerSection
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _skip_shm_build() -> None:
+    """One CPU rank needs no shared-memory collectives: skip compiling DeepSpeed's op (75-95 s)."""
+    import sys
+
+    module = sys.modules.get("deepspeed.comm.torch")
+    if module is not None and hasattr(module, "build_shm_op"):
+        module.build_shm_op = lambda: None
+
+
+class PolicyTrainer:
+    """Create every rank, ask rank 0 for ``rendezvous()``, then call ``setup`` on all ranks at once."""
+
+    def __init__(self, model_dir: str, model: ModelSection, trainer: TrainerSection, batch_per_rank: int, seed: int,
+                 rank: int = 0, world_size: int = 1) -> None:
+        self.args = (model_dir, model, trainer, batch_per_rank, seed, rank, world_size)
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port on it (rank 0 hosts the process group)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        model_dir, model, trainer, batch_per_rank, seed, rank, world_size = self.args
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        on_cpu = trainer.num_gpus_per_actor <= 0
+        if on_cpu:
+            os.environ["DS_ACCELERATOR"] = "cpu"
+        import torch
+
+        torch.set_num_threads(trainer.threads or os.cpu_count() or 1)
+        import deepspeed
+        import deepspeed.comm.torch  # noqa: F401 - the module whose shm build is skipped below
+
+        if on_cpu and world_size == 1:
+            _skip_shm_build()
+        deepspeed.init_distributed(dist_backend=trainer.backend)
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        self.torch = torch
+        self.config = trainer
+        self.rollout_dtype = getattr(torch, DTYPES[model.rollout_dtype])
+        policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, DTYPES[model.train_dtype]))
+        policy.config.use_cache = False
+        self.reference = None
+        if trainer.kl_coef > 0:
+            self.reference = copy.deepcopy(policy).eval()
+            for parameter in self.reference.parameters():
+                parameter.requires_grad_(False)
+        self.micro_batches = max(1, math.ceil(batch_per_rank / trainer.micro_batch_size))
+        ds_config = {
+            "train_micro_batch_size_per_gpu": trainer.micro_batch_size,
+            "gradient_accumulation_steps": self.micro_batches,
+            "gradient_clipping": trainer.max_grad_norm,
+            "zero_optimization": {"stage": trainer.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": trainer.precision == "bf16"},
+            "steps_per_print": 1 << 30,
+        }
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=trainer.learning_rate, weight_decay=0.0)
+        self.engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, config=ds_config)
+        self.device = self.engine.device
+        self.version = 0
+
+    def _batches(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Left-padded micro-batches, so every output ends in the last column and the LM head runs
+        only over the last ``keep`` positions (the ones that predict output tokens)."""
+        torch = self.torch
+        size = math.ceil(len(samples) / self.micro_batches)
+        out = []
+        for start in range(0, len(samples), size):
+            chunk = samples[start:start + size]
+            seqs = [list(s["prompt"]) + list(s["output"]) for s in chunk]
+            width = max(map(len, seqs))
+            keep = max(len(s["output"]) for s in chunk) + 1
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            attention = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros(len(chunk), keep - 1)
+            for i, (sample, seq) in enumerate(zip(chunk, seqs, strict=True)):
+                ids[i, width - len(seq):] = torch.tensor(seq)
+                attention[i, width - len(seq):] = 1
+                if sample["output"]:
+                    mask[i, keep - 1 - len(sample["output"]):] = 1
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            out.append({"ids": ids.to(self.device), "attention": attention.to(self.device),
+                        "positions": positions.to(self.device), "keep": keep, "mask": mask.to(self.device),
+                        "advantages": torch.tensor([s["advantage"] for s in chunk], dtype=torch.float32,
+                                                   device=self.device)})
+        return out
+
+    def _logprobs(self, model: Any, batch: dict[str, Any]) -> Any:
+        from ngramrl.pipeline.grpo import token_logprobs
+
+        keep = batch["keep"]
+        logits = model(input_ids=batch["ids"], attention_mask=batch["attention"], position_ids=batch["positions"],
+                       logits_to_keep=keep).logits
+        return token_logprobs(logits[:, :-1], batch["ids"][:, -(keep - 1):])
+
+    def train_step(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        """One GRPO step on this rank's samples ({prompt, output, advantage}); returns its metrics.
+
+        Without a KL term a sample with zero advantage adds exactly zero gradient, so it is not
+        computed at all; each micro-batch's loss is scaled so the gradient is still the mean over
+        every sample. A step where no sample carries signal makes no update."""
+        from ngramrl.pipeline.grpo import grpo_loss
+
+        torch = self.torch
+        begin = time.perf_counter()
+        total = len(samples)
+        if self.config.kl_coef == 0:
+            samples = [s for s in samples if s["advantage"] != 0.0]
+        metrics_out = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "trained_samples": float(len(samples))}
+        if not samples:
+            return {**metrics_out, "train_seconds": time.perf_counter() - begin, "policy_version": self.version}
+        batches = self._batches(samples)
+        while len(batches) < self.micro_batches:  # DeepSpeed steps after a fixed number of micro-batches
+            batches.append(None)
+        on_policy = self.config.updates_per_step == 1  # the rollout policy is the one being updated
+        with torch.no_grad():
+            self.engine.eval()
+            old = None if on_policy else [b and self._logprobs(self.engine, b) for b in batches]
+            ref = ([b and self._logprobs(self.reference, b) for b in batches] if self.reference is not None
+                   else None)
+        self.engine.train()
+        losses, kls, clips = [], [], []
+        for _ in range(self.config.updates_per_step):
+            for i, batch in enumerate(batches):
+                if batch is None:
+                    anchor = next(self.engine.module.parameters())
+                    self.engine.backward((anchor * 0).sum())
+                    self.engine.step()
+                    continue
+                logp = self._logprobs(self.engine, batch)
+                behaviour = logp.detach() if old is None else old[i]
+                loss, metrics = grpo_loss(logp, behaviour, batch["advantages"], batch["mask"], self.config.clip,
+                                          ref[i] if ref is not None else None, self.config.kl_coef)
+                share = len(batch["advantages"]) / total  # this micro-batch's part of the mean over all samples
+                self.engine.backward(loss * share * self.micro_batches)
+                self.engine.step()
+                losses.append(loss.item() * share)
+                kls.append(metrics["kl"] * share)
+                clips.append(metrics["clip_fraction"] * share)
+        self.version += 1
+        passes = self.config.updates_per_step
+        metrics_out.update(loss=sum(losses) / passes, kl=sum(kls) / passes, clip_fraction=sum(clips) / passes)
+        return {**metrics_out, "train_seconds": time.perf_counter() - begin, "policy_version": self.version}
+
+    def param_sums(self, names: list[str]) -> dict[str, float]:
+        """Sums of the named parameters in the rollout dtype (compared with the engines' copies)."""
+        state = self.engine.module.state_dict()
+        return {name: float(state[name].detach().to(self.rollout_dtype).float().sum()) for name in names
+                if name in state}
+
+    def weights(self) -> dict[str, Any]:
+        """The policy's weights in the rollout dtype, by HF name (what vLLM's load_weights takes)."""
+        import deepspeed
+
+        module = self.engine.module
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.config.zero_stage == 3):
+            return {name: tensor.detach().to("cpu", self.rollout_dtype).clone()
+                    for name, tensor in module.state_dict().items()}

@@ -1,0 +1,74 @@
+"""Rollout workers: Ray actors, each holding one vLLM engine whose proposer drafts from the pool."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from ngramrl.config import NgramRLConfig
+from ngramrl.core.trace import Rollout
+from ngramrl.engine.rollouts import PROPOSER, PromptSpec, RolloutEngine, RolloutEngineConfig
+from ngramrl.engine.worker_extension import EXTENSION
+from ngramrl.pipeline.config import RolloutSection
+from ngramrl.pipeline.pool import PoolSettings
+from ngramrl.pipeline.pool_proposer import POOL_ENV, POOL_PROPOSER
+
+COUNTERS = ("steps", "row_steps", "committed_tokens", "drafts", "drafted_tokens", "prefetch_hits", "cut_tokens",
+            "pool_calls", "pool_late_rows", "pool_down_rows", "pool_errors", "pool_reconnects", "pool_prefetch_late",
+            "draft_us_total")
+
+
+class RolloutWorker:
+    def __init__(self, index: int, model_dir: str, rollout: RolloutSection, ngramrl: NgramRLConfig,
+                 pool: PoolSettings | None, dtype: str, seed: int) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout.cpu_kv_cache_gib))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if rollout.engine_in_process else "1"
+        if pool is not None:
+            os.environ[POOL_ENV] = pool.to_json()
+        self.index = index
+        self.rollout = rollout
+        engine_args = {"enforce_eager": True, "worker_extension_cls": EXTENSION, **rollout.engine_args}
+        self.engine = RolloutEngine(RolloutEngineConfig(
+            model=model_dir, draft=rollout.draft, num_speculative_tokens=rollout.num_speculative_tokens,
+            max_model_len=rollout.max_model_len, dtype=dtype, seed=seed + index,
+            proposer=POOL_PROPOSER if pool is not None else PROPOSER, ngramrl=ngramrl, engine_args=engine_args))
+        self._last = self._counters()
+        self._last_spec = self.engine.spec_decode_metrics()
+
+    def _counters(self) -> dict[str, float]:
+        stats = self.engine.llm.collective_rpc("ngramrl_stats")[0] or {}
+        return {name: float(stats.get(name) or 0.0) for name in COUNTERS}
+
+    def generate(self, prompts: list[PromptSpec], n: int, epoch: dict[str, int], seed: int | None) -> dict[str, Any]:
+        """Sample ``n`` rollouts of each prompt; returns them with this call's engine metrics."""
+        rollout = self.rollout
+        self.engine.llm.collective_rpc("ngramrl_new_batch")
+        begin = time.perf_counter()
+        rollouts: list[Rollout] = self.engine.generate(
+            prompts, n=n, epoch=epoch, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+            max_tokens=rollout.max_tokens, seed=seed)
+        seconds = time.perf_counter() - begin
+        now, spec = self._counters(), self.engine.spec_decode_metrics()
+        metrics = {name: now[name] - self._last[name] for name in COUNTERS}
+        metrics.update({f"vllm_{name}": spec.get(name, 0.0) - self._last_spec.get(name, 0.0) for name in spec})
+        metrics["seconds"] = seconds
+        metrics["tokens"] = float(sum(len(r.output) for r in rollouts))
+        self._last, self._last_spec = now, spec
+        return {"rollouts": rollouts, "metrics": metrics}
+
+    def load_weights(self, weights: dict[str, Any]) -> int:
+        """New policy weights: load them in place and forget cached prefixes computed with the old ones."""
+        loaded = self.engine.llm.collective_rpc("ngramrl_load_weights", args=(weights,))[0]
+        self.engine.llm.reset_prefix_cache()
+        return loaded
+
+    def param_sums(self, names: list[str]) -> dict[str, float]:
+        return self.engine.llm.collective_rpc("ngramrl_param_sums", args=(names,))[0]
+
+    def eos_token_ids(self) -> list[int]:
+        tokenizer = self.engine.llm.get_tokenizer()
+        return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,130 @@
+"""The drafter pool: shard protocol, prefetch, saving, restoring and rebuilding after a crash."""
+
+import os
+
+import pytest
+
+from ngramrl.config import NgramRLConfig, PrefetchConfig
+from ngramrl.core.trace import Rollout
+from ngramrl.pipeline.pool import DrafterShard, StepItem, shard_of
+
+PROMPT = [1, 2, 3, 4]
+REPEAT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def shard_with_history(**prefetch):
+    shard = DrafterShard(0, NgramRLConfig(prefetch=PrefetchConfig(**prefetch)), stop_tokens=(99,))
+    shard.add_rollouts([("p", PROMPT, REPEAT + [99], 0), ("p", PROMPT, REPEAT + [99], 0),
+                        ("p", PROMPT, REPEAT[:4] + [20, 21, 99], 0)])
+    return shard
+
+
+def test_shard_drafts_from_rollouts_and_live_siblings():
+    shard = shard_with_history()
+    first = shard.step([StepItem("r1", "p", [5], 4, prompt=PROMPT, before=[])], [])[0]
+    assert first.tokens == [6, 7, 8, 9] and len(first.probs) == 4
+    # A sibling's committed tokens are visible to the other request at once.
+    shard.step([StepItem("r2", "p", [30], 4, prompt=PROMPT, before=[])], [])
+    shard.step([StepItem("r2", "p", [31, 32, 33], 0)], [])
+    reply = shard.step([StepItem("r1", "p", [6, 7], 4, verified=4), StepItem("r3", "p", [31], 4, prompt=PROMPT,
+                                                                              before=[30])], [])
+    assert reply[1].tokens[:2] == [32, 33]
+
+
+def test_unknown_request_asks_for_its_prompt():
+    shard = shard_with_history()
+    reply = shard.step([StepItem("ghost", "p", [5], 4)], [])[0]
+    assert not reply.known and reply.tokens == []
+
+
+def test_prefetched_next_draft_equals_the_ordinary_one():
+    shard, twin = shard_with_history(budget=8), shard_with_history(budget=8)
+    for s in (shard, twin):
+        s.step([StepItem("r", "p", [5], 4, prompt=PROMPT, before=[])], [])
+    candidates = shard.prefetch(["r"], 4)["r"]
+    assert candidates, "the shard predicted no outcome"
+    j, b, tokens, _ = candidates[0]
+    issued = shard.issued["r"].tokens
+    outcome = issued[:j] + [b]
+    hit = shard.step([StepItem("r", "p", outcome, 4, verified=len(issued), hit=True)], [])[0]
+    ordinary = twin.step([StepItem("r", "p", outcome, 4, verified=len(issued))], [])[0]
+    assert hit.tokens == tokens[:4] == ordinary.tokens
+
+
+def test_finished_requests_leave_no_trace_once_rollouts_arrive():
+    shard = shard_with_history()
+    shard.step([StepItem("r", "p", [40, 41, 42], 4, prompt=PROMPT, before=[])], [])
+    shard.step([], ["r"])
+    clean = shard_with_history()
+    for s in (shard, clean):
+        s.add_rollouts([("p", PROMPT, [40, 41, 43, 99], 1)])
+    assert shard.lookup("p", PROMPT, [40, 41], 4) == clean.lookup("p", PROMPT, [40, 41], 4)
+
+
+def test_snapshot_round_trip(tmp_path):
+    shard = shard_with_history()
+    shard.add_rollouts([("q", [9, 9], [1, 2, 3, 99], 2)])
+    path = shard.save(str(tmp_path / "s.json.gz"))
+    other = DrafterShard(0, NgramRLConfig(), stop_tokens=(99,))
+    assert other.load(path) == 2
+    for prompt_id, prompt, output in (("p", PROMPT, [5]), ("p", PROMPT, REPEAT[:4]), ("q", [9, 9], [1])):
+        assert other.lookup(prompt_id, prompt, output, 6) == shard.lookup(prompt_id, prompt, output, 6)
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(OSError):
+        other.load(str(tmp_path / "bad.json.gz"))
+
+
+def test_shard_of_is_stable_and_spreads():
+    assert shard_of("gsm-0-1", 4) == shard_of("gsm-0-1", 4)
+    assert len({shard_of(f"p{i}", 4) for i in range(64)}) == 4
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, namespace="ngramrl-test-pool")
+    yield ray
+    ray.shutdown()
+
+
+def rollouts(epoch):
+    out = []
+    for i in range(6):
+        prompt = [1, 100 + i, 3]
+        for s in range(3):
+            out.append(Rollout(f"p{i}", epoch, s, prompt, [10 + i, 11, 12 + s, 13, 14 + epoch, 99], "stop"))
+    return out
+
+
+def queries():
+    return [(f"p{i}", [1, 100 + i, 3], out, 5) for i in range(6) for out in ([10 + i], [10 + i, 11], [13])]
+
+
+def test_pool_rebuilds_a_killed_shard_and_restores_saved_state(local_ray, tmp_path):
+    from ngramrl.pipeline.pool import DrafterPool
+
+    pool = DrafterPool(3, NgramRLConfig(), (99,), namespace="ngramrl-test-pool", snapshot_dir=str(tmp_path / "pool"),
+                       name_prefix="t1", num_cpus=0)
+    try:
+        pool.add_rollouts(rollouts(0))
+        pool.save()
+        pool.add_rollouts(rollouts(1))  # after the save: replayed on a rebuild
+        before = [pool.lookup(*q) for q in queries()]
+        assert any(tokens for tokens, _ in before)
+        local_ray.kill(pool.handles[1], no_restart=True)
+        assert pool.health()[1] is None
+        assert pool.heal() == [1] and pool.restarts == 1
+        assert [pool.lookup(*q) for q in queries()] == before
+        pool.save()
+        fresh = DrafterPool(3, NgramRLConfig(), (99,), namespace="ngramrl-test-pool",
+                            snapshot_dir=str(tmp_path / "other"), name_prefix="t2", num_cpus=0)
+        try:
+            fresh.restore(str(tmp_path / "pool"))
+            assert [fresh.lookup(*q) for q in queries()] == before
+            with pytest.raises(FileNotFoundError, match="no saved drafter shard"):
+                fresh.restore(str(tmp_path / "nowhere"))
+        finally:
+            fresh.shutdown()
+    finally:
+        pool.shutdown()
