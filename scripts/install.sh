@@ -45,4 +45,9 @@ have bfcl_eval || $PIP install -q --no-deps bfcl-eval
 have ray || $PIP install -q "ray[default]==2.60.*"
 have deepspeed || $PIP install -q deepspeed==0.19.8
 have wandb || $PIP install -q "wandb>=0.18"
+
+# OpenRLHF's engine side, for the integration and its tests (its training needs CUDA and flash-attn,
+# which a CPU machine cannot build: --no-deps; pylatexenc is what its engine modules import).
+have openrlhf || $PIP install -q --no-deps openrlhf==0.11.2
+have pylatexenc || $PIP install -q pylatexenc
 echo "ngramrl installed in $VENV"

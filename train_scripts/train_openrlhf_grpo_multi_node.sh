@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# OpenRLHF GRPO on a 4-node x 8-GPU Ray cluster with ngramrl drafting. Start the cluster first:
+#   head:    bash train_scripts/ray_cluster.sh head
+#   workers: HEAD_ADDR=<head ip> bash train_scripts/ray_cluster.sh worker
+# then run this on the head node. Extra arguments go to OpenRLHF (or to ngramrl as --ngramrl.*).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=/dev/null
+source ray_configs/cluster.env
+MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct}
+DATA=${DATA:-OpenRLHF/prompt-collection-v0.1}
+SAVE=${SAVE:-/shared/checkpoint/qwen2.5-7b-grpo-ngramrl}   # a directory every node can write
+
+exec ray job submit --address "http://${HEAD_ADDR:-127.0.0.1}:$DASHBOARD_PORT" \
+  --runtime-env ray_configs/runtime_env.yaml \
+  -- python3 -m ngramrl.openrlhf \
+  --actor.model_name_or_path "$MODEL" \
+  --data.prompt_dataset "$DATA" --data.input_key context_messages --data.apply_chat_template \
+  --actor.num_nodes 2 --actor.num_gpus_per_node 8 \
+  --vllm.num_engines 16 --vllm.tensor_parallel_size 1 --vllm.gpu_memory_utilization 0.85 \
+  --algo.advantage.estimator group_norm --rollout.n_samples_per_prompt 8 \
+  --rollout.batch_size 512 --train.batch_size 4096 --rollout.max_new_tokens 2048 \
+  --ds.zero_stage 3 --ds.param_dtype bf16 --actor.gradient_checkpointing_enable \
+  --ckpt.output_dir "$SAVE" \
+  --logger.wandb.project ngramrl-openrlhf \
+  --ngramrl.num_speculative_tokens 16 --ngramrl.shards 32 --ngramrl.prefetch_budget 16 \
+  --ngramrl.save_dir "$SAVE/ngramrl_pool" "$@"
