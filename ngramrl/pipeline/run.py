@@ -49,6 +49,7 @@ class StepRecord:
     pool_fallback_rows: int        # rows that drafted nothing because a shard was late or down
     pool_restarts: int
     pool_healthy: int
+    trained_samples: int = 0        # samples that carried a learning signal (non-flat groups, or any with KL)
     weight_sync_error: float = 0.0  # largest relative gap between trainer and engine weights (checked each step)
     policy_checksum: float = 0.0    # sum of the trainer's embedding weights after the step
 
@@ -56,7 +57,8 @@ class StepRecord:
         return (f"step {self.step:3d}  reward {self.reward:.3f}  loss {self.loss:+.4f}  kl {self.kl:.4f}  "
                 f"tok/fwd {self.tokens_per_forward:.2f}  accept {self.acceptance:.2f}  coverage {self.coverage:.2f}  "
                 f"rollout {self.rollout_seconds:.1f}s ({self.tokens / max(self.rollout_seconds, 1e-9):.0f} tok/s)  "
-                f"train {self.train_seconds:.1f}s  pool {self.pool_healthy} up, {self.pool_restarts} restarts")
+                f"train {self.train_seconds:.1f}s ({self.trained_samples} samples)  "
+                f"pool {self.pool_healthy} up, {self.pool_restarts} restarts")
 
 
 @dataclass
@@ -284,7 +286,8 @@ def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]
         coverage=_ratio(engine.get("prefetch_hits", 0.0), engine.get("drafts", 0.0)),
         drafter_ms_per_step=_ratio(engine.get("draft_us_total", 0.0), engine.get("steps", 0.0)) / 1000,
         pool_fallback_rows=int(engine.get("pool_late_rows", 0.0) + engine.get("pool_down_rows", 0.0)),
-        pool_restarts=restarts, pool_healthy=healthy)
+        pool_restarts=restarts, pool_healthy=healthy,
+        trained_samples=int(sum(m.get("trained_samples", 0.0) for m in train_metrics)))
 
 
 CHECKED_WEIGHTS = ["model.embed_tokens.weight"]

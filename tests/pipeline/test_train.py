@@ -72,6 +72,14 @@ def test_trace_and_tracking_are_written(faulty_run):
     assert os.path.exists(os.path.join(faulty_run.output_dir, "pool", "shard-0.json.gz"))
 
 
+def test_the_run_trace_replays_in_the_benchmark(faulty_run, capsys):
+    from ngramrl.cli import main
+
+    assert main(["bench", faulty_run.trace_path, "--method", "ngramrl", "--method", "none", "--k", "4",
+                 "--no-progress"]) == 0
+    assert "ngramrl" in capsys.readouterr().out
+
+
 def test_a_killed_shard_is_survived_and_restarted(faulty_run):
     step = faulty_run.steps[1]
     assert step.pool_restarts == 1
@@ -97,7 +105,7 @@ def test_training_changes_the_policy_and_the_engines_follow(model_2k, tmp_path):
                               "trainer.learning_rate=0.001", "trainer.kl_coef=0.05",
                               "workload.reward=tests.pipeline.test_train:diversity_reward"))
     first, second = result.steps
-    assert first.reward_std > 0 and first.loss != 0.0, result.summary()
+    assert first.reward_std > 0 and first.loss != 0.0 and first.trained_samples > 0, result.summary()
     assert first.policy_checksum != second.policy_checksum   # the policy moved
     # ... and vLLM holds the same weights
     assert max(first.weight_sync_error, second.weight_sync_error) < 1e-4, (first, second)
