@@ -13,14 +13,13 @@ from openrlhf.trainer.ray import vllm_engine
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
 from ngramrl.engine.worker_extension import NgramRLWorkerExtension
+from ngramrl.pipeline.metrics import counters, delta, draft_rates
 from ngramrl.pipeline.pool import PoolSettings, shard_of
 from ngramrl.pipeline.pool_proposer import POOL_ENV
 
 # The class OpenRLHF decorated with @ray.remote.
 _OpenRLHFRolloutActor = vllm_engine.RolloutRayActor.__ray_metadata__.modified_class.__mro__[1]
 _prompt = contextvars.ContextVar("ngramrl_prompt", default=None)
-
-METRICS = ("tokens_per_forward", "acceptance", "prefetch_coverage", "drafter_ms_per_step", "pool_fallback_rows")
 
 
 def prompt_id_for(prompt: Any, label: Any = None) -> str:
@@ -87,23 +86,13 @@ class NgramRLRolloutActor(_OpenRLHFRolloutActor):
             self._ngramrl_handles.pop(shard, None)
 
     async def _ngramrl_metrics(self) -> dict[str, float]:
-        """ngramrl's counters since the last report of this engine, as numbers for OpenRLHF's logs."""
+        """ngramrl's rates over this engine's steps since its last report, for OpenRLHF's logs."""
         try:
-            stats = (await self.llm.collective_rpc("ngramrl_stats"))[0] or {}
+            now = counters((await self.llm.collective_rpc("ngramrl_stats"))[0])
         except Exception:  # noqa: BLE001 - metrics must never break generation
-            stats = {}
-        names = ("row_steps", "committed_tokens", "drafts", "drafted_tokens", "prefetch_hits", "steps",
-                 "draft_us_total", "pool_late_rows", "pool_down_rows")
-        now = {name: float(stats.get(name) or 0.0) for name in names}
-        delta = {name: now[name] - self._ngramrl_last.get(name, 0.0) for name in names}
-        self._ngramrl_last = now
-        forwards = delta["row_steps"]
-        return {"tokens_per_forward": delta["committed_tokens"] / forwards if forwards else 1.0,
-                "acceptance": ((delta["committed_tokens"] - forwards) / delta["drafted_tokens"]
-                               if delta["drafted_tokens"] else 0.0),
-                "prefetch_coverage": delta["prefetch_hits"] / delta["drafts"] if delta["drafts"] else 0.0,
-                "drafter_ms_per_step": delta["draft_us_total"] / delta["steps"] / 1000 if delta["steps"] else 0.0,
-                "pool_fallback_rows": delta["pool_late_rows"] + delta["pool_down_rows"]}
+            now = counters(None)
+        window, self._ngramrl_last = delta(now, self._ngramrl_last), now
+        return draft_rates(window)
 
 
 def remote_actor_class() -> Any:

@@ -23,6 +23,7 @@ from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
 from ngramrl.engine.rollouts import PromptSpec
 from ngramrl.pipeline.config import TrainConfig, load_reward
 from ngramrl.pipeline.grpo import group_advantages
+from ngramrl.pipeline.metrics import draft_rates, ratio
 from ngramrl.pipeline.pool import DrafterPool
 from ngramrl.pipeline.rewards import reward
 from ngramrl.pipeline.tracking import Tracker
@@ -118,10 +119,6 @@ def _prompt_specs(config: TrainConfig, model_dir: str) -> tuple[list[PromptSpec]
         specs.append(PromptSpec(task.prompt_id, ids))
         references[task.prompt_id] = task.reference
     return specs, {"references": references, "tokenizer": tokenizer}
-
-
-def _ratio(numerator: float, denominator: float, empty: float = 0.0) -> float:
-    return numerator / denominator if denominator else empty
 
 
 def train(config: TrainConfig, during_rollout: Callable[[int, DrafterPool], None] | None = None) -> TrainResult:
@@ -275,17 +272,16 @@ def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]
 
     tokens = engine.get("tokens", 0.0)
     accepted = engine.get("vllm_num_accepted_tokens", 0.0)
-    forwards = tokens - accepted
+    rates = draft_rates(engine)
     mean = lambda key: sum(m[key] for m in train_metrics) / len(train_metrics)  # noqa: E731
     return StepRecord(
         step=step, reward=statistics.fmean(scores), reward_std=statistics.pstdev(scores), loss=mean("loss"),
         kl=mean("kl"), clip_fraction=mean("clip_fraction"), rollout_seconds=rollout_seconds,
         train_seconds=max(m["train_seconds"] for m in train_metrics), sync_seconds=sync_seconds, tokens=int(tokens),
-        tokens_per_forward=_ratio(tokens, forwards, 1.0),
-        acceptance=_ratio(accepted, engine.get("vllm_num_draft_tokens", 0.0)),
-        coverage=_ratio(engine.get("prefetch_hits", 0.0), engine.get("drafts", 0.0)),
-        drafter_ms_per_step=_ratio(engine.get("draft_us_total", 0.0), engine.get("steps", 0.0)) / 1000,
-        pool_fallback_rows=int(engine.get("pool_late_rows", 0.0) + engine.get("pool_down_rows", 0.0)),
+        tokens_per_forward=ratio(tokens, tokens - accepted, 1.0),
+        acceptance=ratio(accepted, engine.get("vllm_num_draft_tokens", 0.0)),
+        coverage=rates["prefetch_coverage"], drafter_ms_per_step=rates["drafter_ms_per_step"],
+        pool_fallback_rows=int(rates["pool_fallback_rows"]),
         pool_restarts=restarts, pool_healthy=healthy,
         trained_samples=int(sum(m.get("trained_samples", 0.0) for m in train_metrics)))
 

@@ -11,12 +11,9 @@ from ngramrl.core.trace import Rollout
 from ngramrl.engine.rollouts import PROPOSER, PromptSpec, RolloutEngine, RolloutEngineConfig
 from ngramrl.engine.worker_extension import EXTENSION
 from ngramrl.pipeline.config import RolloutSection
+from ngramrl.pipeline.metrics import counters, delta
 from ngramrl.pipeline.pool import PoolSettings
 from ngramrl.pipeline.pool_proposer import POOL_ENV, POOL_PROPOSER
-
-COUNTERS = ("steps", "row_steps", "committed_tokens", "drafts", "drafted_tokens", "prefetch_hits", "cut_tokens",
-            "pool_calls", "pool_late_rows", "pool_down_rows", "pool_errors", "pool_reconnects", "pool_prefetch_late",
-            "draft_us_total")
 
 
 class RolloutWorker:
@@ -37,8 +34,7 @@ class RolloutWorker:
         self._last_spec = self.engine.spec_decode_metrics()
 
     def _counters(self) -> dict[str, float]:
-        stats = self.engine.llm.collective_rpc("ngramrl_stats")[0] or {}
-        return {name: float(stats.get(name) or 0.0) for name in COUNTERS}
+        return counters(self.engine.llm.collective_rpc("ngramrl_stats")[0])
 
     def generate(self, prompts: list[PromptSpec], n: int, epoch: dict[str, int], seed: int | None) -> dict[str, Any]:
         """Sample ``n`` rollouts of each prompt; returns them with this call's engine metrics."""
@@ -50,7 +46,7 @@ class RolloutWorker:
             max_tokens=rollout.max_tokens, seed=seed)
         seconds = time.perf_counter() - begin
         now, spec = self._counters(), self.engine.spec_decode_metrics()
-        metrics = {name: now[name] - self._last[name] for name in COUNTERS}
+        metrics = delta(now, self._last)
         metrics.update({f"vllm_{name}": spec.get(name, 0.0) - self._last_spec.get(name, 0.0) for name in spec})
         metrics["seconds"] = seconds
         metrics["tokens"] = float(sum(len(r.output) for r in rollouts))
