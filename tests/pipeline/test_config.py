@@ -11,11 +11,24 @@ from ngramrl.pipeline.config import ConfigError, load_config
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "ray_configs", "*.yaml"))))
+TRAIN_CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "ray_configs", "*.yaml"))
+                       if not p.endswith("runtime_env.yaml"))
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=os.path.basename)
 def test_shipped_configs_load(path):
     config = load_config(path)
     assert config.run.steps >= 1
     assert config.rollout.samples_per_prompt >= 2
+
+
+def test_job_runtime_env_is_valid_yaml():
+    import yaml
+
+    with open(os.path.join(ROOT, "ray_configs", "runtime_env.yaml")) as handle:
+        env = yaml.safe_load(handle)
+    assert env["working_dir"] == "." and all(isinstance(v, str) for v in env["env_vars"].values())
+    assert len(TRAIN_CONFIGS) == 3
 
 
 def test_defaults_and_overrides():
