@@ -30,6 +30,9 @@ def test_bfcl_reward_checks_json_function_and_arguments():
     wrong_args = {p: "definitely-not-allowed" for p in arguments} or {"unexpected": 1}
     assert bfcl_reward(json.dumps({"name": name, "arguments": wrong_args}), task.reference) == 0.4
     assert bfcl_reward(json.dumps({"name": "no_such_function", "arguments": arguments}), task.reference) == 0.1
+    required = [p for p, values in params.items() if "" not in values]
+    missing = {p: v for p, v in arguments.items() if p != required[0]}
+    assert bfcl_reward(json.dumps({"name": name, "arguments": missing}), task.reference) == 0.4
     for junk in ("not json at all", "{\"name\": ", "[1, 2, 3]", json.dumps({"name": 5}), ""):
         assert bfcl_reward(junk, task.reference) == 0.0
 
