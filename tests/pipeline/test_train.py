@@ -105,7 +105,10 @@ def test_training_changes_the_policy_and_the_engines_follow(model_2k, tmp_path):
                               "trainer.learning_rate=0.001", "trainer.kl_coef=0.05",
                               "workload.reward=tests.pipeline.test_train:diversity_reward"))
     first, second = result.steps
-    assert first.reward_std > 0 and first.loss != 0.0 and first.trained_samples > 0, result.summary()
+    # (On-policy, the first loss is exactly zero: group-normalised advantages average to zero and the
+    # policy is the reference. Its gradient is not.)
+    assert first.reward_std > 0 and first.trained_samples > 0, result.summary()
     assert first.policy_checksum != second.policy_checksum   # the policy moved
+    assert second.kl > 0                                      # away from the reference
     # ... and vLLM holds the same weights
     assert max(first.weight_sync_error, second.weight_sync_error) < 1e-4, (first, second)
