@@ -176,8 +176,8 @@ class NgramRLMethod:
     def _learn(self, draft: Draft | None, tokens: list[int], remaining: int) -> None:
         """Calibrate on the previous step's outcome and score its prediction."""
         accepted = len(tokens) - 1
-        if draft is not None and accepted <= len(draft.tokens) and tokens[:accepted] == draft.tokens[:accepted]:
-            self.calibration.observe(draft.probs, accepted)
+        if draft is not None:
+            self.calibration.observe_verified(draft, tokens)
         if not self.tally.budgets:
             return
         if remaining > 0:  # the rollout goes on, so a next draft is needed

@@ -57,6 +57,13 @@ class AcceptanceCalibration:
         """Calibrated acceptance chance of each token of a draft, from its estimates."""
         return [self.chance(position, estimate) for position, estimate in enumerate(probs)]
 
+    def observe_verified(self, draft: Draft, committed: list[int]) -> None:
+        """The target verified ``draft`` and committed ``committed`` (accepted draft tokens, then one
+        of its own): learn from it. Tokens that do not continue the draft say nothing about it."""
+        accepted = len(committed) - 1
+        if accepted >= 0 and accepted <= len(draft.tokens) and committed[:accepted] == draft.tokens[:accepted]:
+            self.observe(draft.probs, accepted)
+
     def observe(self, probs: list[float], accepted: int) -> None:
         """Learn from one verified draft: positions < accepted were accepted, position accepted was not."""
         for position, estimate in enumerate(probs[:accepted + 1]):

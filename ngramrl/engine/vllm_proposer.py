@@ -186,10 +186,8 @@ class NgramRLProposer:
             self.stats.row_steps += 1
             self.stats.committed_tokens += len(sampled)
             previous = self._pending.pop(req_id, None)
-            if previous is not None and previous.tokens:
-                accepted = len(sampled) - 1
-                if sampled[:accepted] == previous.tokens[:accepted]:
-                    self.calibration.observe(previous.probs, accepted)
+            if previous is not None:
+                self.calibration.observe_verified(previous, sampled)
             room = self.max_model_len - int(num_tokens_no_spec[row]) - 1
             rows.append(Row(row, req_id, request, list(sampled), min(self.k, room)))
         made = self._draft(rows)

@@ -80,17 +80,20 @@ class DrafterShard:
     def __init__(self, index: int, config: NgramRLConfig, stop_tokens: tuple[int, ...] = ()) -> None:
         self.index = index
         self.config = config
-        drafter_config = DrafterConfig(**{**config.drafter.__dict__,
-                                          "stop_tokens": tuple(sorted(set(config.drafter.stop_tokens)
-                                                                      | set(stop_tokens)))})
-        self.history = RolloutHistory(config.history)
-        self.drafter = NgramDrafter(self.history, drafter_config)
+        self.drafter_config = DrafterConfig(**{**config.drafter.__dict__,
+                                               "stop_tokens": tuple(sorted(set(config.drafter.stop_tokens)
+                                                                           | set(stop_tokens)))})
         self.calibration = AcceptanceCalibration(config.prefetch.prior_strength)
+        self.stats = ShardStats()
+        self._empty()
+
+    def _empty(self) -> None:
+        """No history and no requests in flight."""
+        self.history = RolloutHistory(self.config.history)
+        self.drafter = NgramDrafter(self.history, self.drafter_config)
         self.requests: dict[str, RequestState] = {}
         self.issued: dict[str, Draft] = {}                        # the draft each request is verifying
         self.candidates: dict[str, dict[tuple[int, int], Draft]] = {}  # its prefetched next drafts
-        self.stats = ShardStats()
-        self.started = time.time()
 
     # -- history ----------------------------------------------------------------------------
 
@@ -123,11 +126,7 @@ class DrafterShard:
         if data.get("version") != SNAPSHOT_VERSION:
             raise ValueError(f"{path}: drafter snapshot version {data.get('version')!r}, "
                              f"this ngramrl reads version {SNAPSHOT_VERSION}")
-        self.history = RolloutHistory(self.config.history)
-        self.drafter = NgramDrafter(self.history, self.drafter.config)
-        self.requests.clear()
-        self.issued.clear()
-        self.candidates.clear()
+        self._empty()
         self.history.restore(data["prompts"])
         return len(self.history)
 
@@ -162,14 +161,12 @@ class DrafterShard:
     def _observe(self, item: StepItem) -> None:
         """The last draft's outcome is now known: calibrate on it (causal: it is in the past)."""
         issued = self.issued.get(item.request_id)
-        if issued is None or not issued.tokens or not item.committed:
+        if issued is None or not issued.tokens:
             return
         if item.verified is not None:
             issued = issued.truncated(item.verified)
             self.issued[item.request_id] = issued
-        accepted = len(item.committed) - 1
-        if issued.tokens and item.committed[:accepted] == issued.tokens[:accepted]:
-            self.calibration.observe(issued.probs, accepted)
+        self.calibration.observe_verified(issued, item.committed)
 
     def _next_draft(self, request: RequestState, item: StepItem) -> Draft:
         if item.k <= 0:

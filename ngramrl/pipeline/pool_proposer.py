@@ -188,12 +188,12 @@ class PoolProposer(NgramRLProposer):
         self.client.wait_us.append((time.perf_counter() - begin) * 1e6)
         ready_set = set(ready)
         for shard, indices in waiting.items():
-            replies: list[StepReply] | None = None
-            if refs[shard] in ready_set:
-                replies = self._get(shard, refs[shard])
-            if replies is None:
-                self.client.late_rows += len(indices) if refs[shard] not in ready_set else 0
-                self.client.down_rows += len(indices) if refs[shard] in ready_set else 0
+            if refs[shard] not in ready_set:
+                self.client.late_rows += len(indices)
+                continue
+            replies: list[StepReply] | None = self._get(shard, refs[shard])
+            if replies is None:  # the call failed: the shard is down
+                self.client.down_rows += len(indices)
                 continue
             by_id = {reply.request_id: reply for reply in replies}
             for i in indices:
