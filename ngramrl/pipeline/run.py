@@ -121,9 +121,9 @@ def _prompt_specs(config: TrainConfig, model_dir: str) -> tuple[list[PromptSpec]
     return specs, {"references": references, "tokenizer": tokenizer}
 
 
-def train(config: TrainConfig, during_rollout: Callable[[int, DrafterPool], None] | None = None) -> TrainResult:
-    """Run ``config.run.steps`` RL steps; ``during_rollout(step, pool)`` runs while a step generates
-    (tests use it to inject faults)."""
+def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None] | None = None) -> TrainResult:
+    """Run ``config.run.steps`` RL steps; ``before_rollout(step, pool)`` runs just before a step's
+    rollouts start (tests use it to inject faults the engines then meet)."""
     import ray
 
     from ngramrl.pipeline.trainer import PolicyTrainer
@@ -195,6 +195,8 @@ def train(config: TrainConfig, during_rollout: Callable[[int, DrafterPool], None
                       for i in range(rollout.prompts_per_step)]
             epoch = {p.prompt_id: visits.get(p.prompt_id, 0) for p in chosen}
             progress.set_description(f"step {step}: rollouts")
+            if before_rollout is not None and pool is not None:
+                before_rollout(step, pool)
             begin = time.perf_counter()
             refs = []
             for e, worker in enumerate(workers):
@@ -202,8 +204,6 @@ def train(config: TrainConfig, during_rollout: Callable[[int, DrafterPool], None
                 if mine:
                     refs.append(worker.generate.remote(mine, rollout.samples_per_prompt, epoch,
                                                        run.seed * 1_000_003 + step * 10_007 + e * 1_009))
-            if during_rollout is not None and pool is not None:
-                during_rollout(step, pool)
             results = ray.get(refs)
             rollout_seconds = time.perf_counter() - begin
             step_rollouts: list[Rollout] = [r for res in results for r in res["rollouts"]]

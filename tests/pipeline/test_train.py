@@ -2,6 +2,7 @@
 GRPO on CPU, weight sync, tracking and the trace; with a tiny random model."""
 
 import os
+import time
 
 import pytest
 
@@ -35,7 +36,7 @@ def run_config(model_dir, out, *overrides):
 
 @pytest.fixture(scope="module")
 def faulty_run(model_2k, tmp_path_factory):
-    """Greedy rollouts with ngramrl; shard 0 is killed while step 1 generates."""
+    """Greedy rollouts with ngramrl; shard 0 is killed in the middle of the run, before step 1 generates."""
     import ray
 
     from ngramrl.pipeline.run import train
@@ -43,12 +44,15 @@ def faulty_run(model_2k, tmp_path_factory):
     killed = []
 
     def kill_shard(step, pool):
-        if step == 1:
+        if step == 1:  # dead before the engines' first call of the step: they must meet the fault
             ray.kill(pool.handles[0], no_restart=True)
+            deadline = time.time() + 30
+            while pool.health(timeout_s=2)[0] is not None and time.time() < deadline:
+                time.sleep(0.1)
             killed.append(step)
 
     out = tmp_path_factory.mktemp("faulty")
-    result = train(run_config(model_2k, out), during_rollout=kill_shard)
+    result = train(run_config(model_2k, out), before_rollout=kill_shard)
     assert killed == [1]
     return result
 
