@@ -73,12 +73,15 @@ class EngineConfig:
 
     adaptive_length: bool = True       # cut drafts where verifying costs more than it saves
     cost_decay: float = 0.98           # forgetting factor of the online step-time fit
-    explore_every: int = 16            # every n-th step verifies whole drafts, so the cost fit keeps learning
+    explore_every: int = 16            # while drafting is off, every n-th step verifies a few tokens (cost probe)
+    min_gain: float = 0.1              # drafts must raise the expected throughput by this much (estimates err)
     prefetch: bool = True              # look up likely next drafts while the forward runs
 
     def __post_init__(self) -> None:
         if not 0.0 < self.cost_decay <= 1.0:
             raise ValueError(f"EngineConfig.cost_decay must be in (0, 1], got {self.cost_decay}")
+        if self.min_gain < 0:
+            raise ValueError(f"EngineConfig.min_gain must be >= 0, got {self.min_gain}")
         if self.explore_every < 1:
             raise ValueError(f"EngineConfig.explore_every must be >= 1, got {self.explore_every}")
 

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.automaton import SuffixAutomaton
-from ngramrl.core.drafter import Draft, NgramDrafter, RequestState
+from ngramrl.core.drafter import Draft, MatchState, NgramDrafter, RequestState, advance
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, predict_for
 from ngramrl.core.trace import Rollout
@@ -98,11 +98,28 @@ class CoverageTally:
     prefetch_ns: list[int] = field(default_factory=list)     # all lookups of one step at the main budget
     prefetch_hits: int = 0                                   # steps whose next draft came from the prefetch
     spent_ns: int = 0
+    # The other design: prefetch only the match states after d_1..d_j for the j of the top-B
+    # outcomes; then any b is one automaton step (plus the walk) from a ready state.
+    from_context_ns: list[int] = field(default_factory=list)  # next draft from the old context (no prefetch)
+    state_spent_ns: int = 0                                   # computing the states
+    state_hits: int = 0                                       # steps whose j had its state ready
+    state_hidden_ns: int = 0                                  # time those steps saved
 
     @property
     def hidden_ns(self) -> float:
         """Lookup time the hits took off the critical path (hits x the median ordinary lookup)."""
         return self.prefetch_hits * statistics.median(self.lookup_ns) if self.lookup_ns else 0.0
+
+    @property
+    def design_hidden_per_spent(self) -> tuple[float | None, float | None]:
+        """Critical-path time hidden per unit of prefetch CPU, for next-draft prefetch (each hit
+        hides a whole next-draft lookup from the old context: the steps over the committed tokens
+        and the walk) and for match-state prefetch (a ready state leaves one step and the walk)."""
+        if not self.from_context_ns:
+            return (None, None)
+        drafts = self.prefetch_hits * statistics.median(self.from_context_ns) / self.spent_ns if self.spent_ns else None
+        states = self.state_hidden_ns / self.state_spent_ns if self.state_spent_ns else None
+        return (drafts, states)
 
     def value(self, budget: int) -> float:
         return self.hits.get(budget, 0) / self.steps if self.steps else 0.0
@@ -132,6 +149,7 @@ class NgramRLMethod:
         self._remaining = 0
         self._k = 0
         self._settled: tuple[Draft | None, list[int], int] | None = None
+        self._states: tuple[dict[int, list[MatchState]], list[MatchState]] | None = None
 
     def add_history(self, rollouts: list[Rollout]) -> None:
         for rollout in rollouts:
@@ -180,6 +198,9 @@ class NgramRLMethod:
             self.calibration.observe_verified(draft, tokens)
         if not self.tally.budgets:
             return
+        if remaining > 0 and self._states is not None and self._states[1] and self.request is not None:
+            self._time_designs(tokens)
+        self._states = None
         if remaining > 0:  # the rollout goes on, so a next draft is needed
             self.tally.steps += 1
             rank = next((i for i, o in enumerate(self._outcomes) if o.key == (accepted, tokens[-1])), None)
@@ -194,10 +215,9 @@ class NgramRLMethod:
         """What the prefetcher would do while this draft is verified (measured, and the lookups
         at the main budget really run so their drafts are the next ones on a hit)."""
         begin = time.perf_counter_ns()
-        index = self.drafter.index(self.request) if self.request is not None and self.request.known else None
+        sources = self.drafter.outcome_sources(self.request) if self.request is not None else []
         top = max(self.tally.budgets)
-        predicted = [] if index is None else predict_for(index, self.request.match, draft, self.calibration, top,
-                                                          self.prefetch.levels)
+        predicted = predict_for(sources, draft, self.calibration, top, self.prefetch.levels)
         self.tally.model_ns.append(time.perf_counter_ns() - begin)
         begin = time.perf_counter_ns()
         self._outcomes = allocate({"r": predicted}, self._sweep_allocation)["r"]
@@ -209,6 +229,40 @@ class NgramRLMethod:
         spent = time.perf_counter_ns() - begin
         self.tally.prefetch_ns.append(spent)
         self.tally.spent_ns += spent
+        self._prefetch_states(sources, draft, {j for j, _ in keys})
+
+    def _prefetch_states(self, sources: list, draft: Draft, accepted: set[int]) -> None:
+        """The match-state design, measured beside the other: the states after d_1..d_j for the
+        same j values, one pass over the draft per source."""
+        begin = time.perf_counter_ns()
+        states: dict[int, list[MatchState]] = {}
+        if accepted:
+            last = max(accepted)
+            chains = []
+            for index, match in sources:
+                chain = [match]
+                for token in draft.tokens[:last]:
+                    chain.append(advance(index, chain[-1], [token]))
+                chains.append(chain)
+            states = {j: [chain[j] for chain in chains] for j in accepted}
+        self.tally.state_spent_ns += time.perf_counter_ns() - begin
+        self._states = (states, [match for _, match in sources])
+
+    def _time_designs(self, tokens: list[int]) -> None:
+        """The next draft from the old context over the committed tokens (what no prefetch does, and
+        what a next-draft hit saves), against the same from a prefetched state when j had one."""
+        states, context = self._states
+        clock = time.perf_counter_ns
+        begin = clock()
+        self.drafter.lookup(self.request, self._k, tokens, at=(0, context))
+        from_context = clock() - begin
+        self.tally.from_context_ns.append(from_context)
+        ready = states.get(len(tokens) - 1)
+        if ready is not None:
+            begin = clock()
+            self.drafter.lookup(self.request, self._k, tokens, at=(len(tokens) - 1, ready))
+            self.tally.state_hits += 1
+            self.tally.state_hidden_ns += max(0, from_context - (clock() - begin))
 
     def commit(self, tokens: list[int]) -> None:
         assert self.request is not None

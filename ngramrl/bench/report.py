@@ -48,6 +48,14 @@ def format_table(results: list[ReplayResult]) -> str:
                 f"outcome model {c['model_us_per_step']:.1f} us/step, allocation + cache "
                 f"{c['bookkeeping_us_per_step']:.1f} us/step, ordinary lookup {c['lookup_us']:.1f} us, "
                 f"prefetch lookups {c['prefetch_us_per_step']:.1f} us/step")
+            d = c.get("designs") or {}
+            if d.get("from_context_us") is not None:
+                nd, ms = d["next_draft"], d["match_state"]
+                lines.append(
+                    f"  designs: next draft from the old context {d['from_context_us']:.1f} us; next-draft prefetch "
+                    f"ready {nd['ready']:.3f}, {nd['spent_us_per_step']:.1f} us/step, hides "
+                    f"{nd['hidden_per_spent'] or 0:.2f} us per us; match-state prefetch ready {ms['ready']:.3f}, "
+                    f"{ms['spent_us_per_step']:.1f} us/step, hides {ms['hidden_per_spent'] or 0:.2f} us per us")
     lines.append("x suffix, x pld: tokens per forward over that method's. % oracle: over the ceiling's (best run "
                  "after a one-token match anywhere in the allowed history); % p-orcl: over the same, limited to the "
                  "same prompt's earlier rollouts.")

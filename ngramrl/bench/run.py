@@ -59,6 +59,23 @@ def coverage_report(tally: CoverageTally, budget: int) -> dict:
         "lookup_us": _median_us(tally.lookup_ns),
         "prefetch_us_per_step": _median_us(tally.prefetch_ns),
         "hidden_over_spent": round(tally.hidden_ns / tally.spent_ns, 4) if tally.spent_ns else None,
+        "designs": _designs(tally),
+    }
+
+
+def _designs(tally: CoverageTally) -> dict:
+    """Next-draft prefetch against match-state prefetch: how often each is ready for the real
+    outcome and how much critical-path time it hides per unit of the CPU it spends."""
+    drafts, states = tally.design_hidden_per_spent
+    steps = max(1, tally.steps)
+    return {
+        "from_context_us": _median_us(tally.from_context_ns),
+        "next_draft": {"ready": round(tally.prefetch_hits / steps, 4),
+                       "spent_us_per_step": round(tally.spent_ns / steps / 1000, 3),
+                       "hidden_per_spent": None if drafts is None else round(drafts, 4)},
+        "match_state": {"ready": round(tally.state_hits / steps, 4),
+                        "spent_us_per_step": round(tally.state_spent_ns / steps / 1000, 3),
+                        "hidden_per_spent": None if states is None else round(states, 4)},
     }
 
 

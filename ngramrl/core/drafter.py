@@ -159,6 +159,19 @@ class NgramDrafter:
             request.match = advance(index, MatchState(cursor, index.length[cursor]), request.pending)
         return index
 
+    def outcome_sources(self, request: RequestState) -> list[tuple[SuffixAutomaton, MatchState]]:
+        """Where the outcome model reads what may follow the request's context: its prompt's index,
+        then the cross-prompt index when the request is matched in the current one (both as of
+        its last lookup; nothing is rebuilt here, so a prefetch thread may call it)."""
+        index = request.index
+        if not request.known or index is None:
+            return []
+        sources = [(index, request.match)]
+        if (self.config.use_global and request.global_index is not None
+                and request.global_index is self.history.built_global_index()):
+            sources.append((request.global_index, request.global_match))
+        return sources
+
     # -- drafting ---------------------------------------------------------------------------
 
     def propose(self, request: RequestState, k: int | None = None) -> Draft:
@@ -167,16 +180,21 @@ class NgramDrafter:
         self.absorb(request)
         return draft
 
-    def lookup(self, request: RequestState, k: int | None = None, after: list[int] | None = None) -> Draft:
+    def lookup(self, request: RequestState, k: int | None = None, after: list[int] | None = None,
+               at: tuple[int, list[MatchState]] | None = None) -> Draft:
         """The draft for the current context followed by ``after`` (a predicted outcome), without
-        changing the request: the prefetcher's lookup and the synchronous one are the same code."""
+        changing the request: the prefetcher's lookup and the synchronous one are the same code.
+        ``at`` = (n, states): the match states after the context and ``after[:n]``, one per source
+        of ``outcome_sources`` (computed ahead by the outcome model), so only the rest is stepped."""
         k = self.config.max_draft if k is None else k
         if not request.known or k <= 0:
             return EMPTY
         index = self.index(request)
         if index is None:
             return EMPTY
-        match = advance(index, request.match, after) if after else request.match
+        after = after or []
+        skip, states = at if at is not None else (0, [])
+        match = advance(index, states[0] if states else request.match, after[skip if states else 0:])
         best = self.walk(index, match, k, "prompt")
         if self.config.use_global:
             global_index = self.history.global_index()
@@ -184,7 +202,11 @@ class NgramDrafter:
                 request.global_index = global_index
                 context = request.prompt + request.output
                 request.global_match = advance(global_index, MatchState(), context[-self.config.rematch_tokens:])
-            global_match = advance(global_index, request.global_match, after) if after else request.global_match
+                states = states[:1]  # a state ahead in the old cross-prompt index means nothing now
+            if len(states) > 1:
+                global_match = advance(global_index, states[1], after[skip:])
+            else:
+                global_match = advance(global_index, request.global_match, after)
             if global_match.matched > best.matched:
                 other = self.walk(global_index, global_match, k, "global")
                 if other.tokens:

@@ -49,6 +49,8 @@ class RolloutHistory:
         self.layout = 0
         # Cross-prompt index over every stored rollout; rebuilt lazily after evictions.
         self._global: SuffixAutomaton | None = None
+        self._global_tokens = 0  # rollout tokens in it
+        self._global_stale = 0   # of which evicted since it was built
         self.global_builds = 0
 
     def __contains__(self, prompt_id: str) -> bool:
@@ -87,29 +89,43 @@ class RolloutHistory:
     def _store(self, entry: PromptHistory, epoch: int, tokens: list[int], index_it: bool) -> None:
         entry.rollouts.append(_StoredRollout(epoch, tokens))
         self._stored += len(tokens)
-        if self._trim_window(entry) or entry.lingering:
+        evicted = self._trim_window(entry)
+        if evicted or entry.lingering:
             entry.lingering = False
             entry.index = None  # rebuilt lazily on the next lookup
-            self._global = None
             self.layout += 1
-        else:
-            if index_it and entry.index is not None:
-                entry.index.add_sequence(self.sequence(entry.prompt, tokens))
-            if self._global is not None:
-                self._global.add_sequence(self.sequence(entry.prompt, tokens))
-            elif index_it:
-                self.layout += 1  # a new cross-prompt index will be built
+        elif index_it and entry.index is not None:
+            entry.index.add_sequence(self.sequence(entry.prompt, tokens))
+        if self._global is not None:
+            self._global_evicted(evicted)
+        if self._global is not None:
+            self._global.add_sequence(self.sequence(entry.prompt, tokens))
+            self._global_tokens += len(tokens)
+        elif index_it:
+            self.layout += 1  # a new cross-prompt index will be built
         self._enforce_cap()
 
-    def _trim_window(self, entry: PromptHistory) -> bool:
+    def _global_evicted(self, tokens: int) -> None:
+        """Evicted rollouts stay in the cross-prompt index until they are half of it; then it is
+        rebuilt on the next lookup. Rebuilding it at every eviction would cost the whole history
+        each time a prompt's window moves on (once per prompt per epoch); this way a rebuild costs
+        O(1) per evicted token, and the fallback only drafts from a little more than the window."""
+        self._global_stale += tokens
+        if 2 * self._global_stale > self._global_tokens:
+            self._global = None
+            self.layout += 1
+
+    def _trim_window(self, entry: PromptHistory) -> int:
+        """Drop the rollouts that left the prompt's window; returns how many tokens went."""
         newest = max(r.epoch for r in entry.rollouts)
-        evicted = False
+        evicted = 0
         while entry.rollouts and (
             len(entry.rollouts) > self.config.rollouts_per_prompt
             or entry.rollouts[0].epoch <= newest - self.config.epochs_kept
         ):
-            self._stored -= len(entry.rollouts.popleft().tokens)
-            evicted = True
+            gone = len(entry.rollouts.popleft().tokens)
+            self._stored -= gone
+            evicted += gone
         return evicted
 
     def _enforce_cap(self) -> None:
@@ -117,8 +133,9 @@ class RolloutHistory:
             _, entry = self._prompts.popitem(last=False)
             self._stored -= entry.stored_tokens
             self.evicted_prompts += 1
-            self._global = None
             self.layout += 1
+            if self._global is not None:
+                self._global_evicted(sum(len(r.tokens) for r in entry.rollouts))
 
     def sequence(self, prompt: list[int], output: list[int]) -> list[int]:
         """What is indexed for an output: the prompt's last tokens first, so its opening is draftable."""
@@ -226,13 +243,19 @@ class RolloutHistory:
             for epoch, tokens in rollouts:
                 self._store(entry, int(epoch), list(tokens), index_it=True)
 
+    def built_global_index(self) -> SuffixAutomaton | None:
+        """The cross-prompt index if it is built, without building it."""
+        return self._global
+
     def global_index(self) -> SuffixAutomaton:
         if self._global is None:
             index = SuffixAutomaton()
+            tokens = 0
             for entry in self._prompts.values():
                 for rollout in entry.rollouts:
                     index.add_sequence(self.sequence(entry.prompt, rollout.tokens))
-            self._global = index
+                    tokens += len(rollout.tokens)
+            self._global, self._global_tokens, self._global_stale = index, tokens, 0
             self.global_builds += 1
         return self._global
 

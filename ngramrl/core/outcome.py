@@ -7,7 +7,8 @@ emits (a correction, never d_{j+1}, when j < k; the bonus token when j = k).
   token, calibrated by what was observed so far (``AcceptanceCalibration``). Calibration is
   causal: it only learns from outcomes that already happened.
 - P(b | j) comes from the index: the continuations seen after the context plus d_1..d_j, without
-  d_{j+1} (it was rejected), backing off to shorter suffixes for the unseen mass (Witten-Bell).
+  d_{j+1} (it was rejected), backing off to shorter suffixes for the unseen mass (Witten-Bell),
+  and then to the other prompts' rollouts (the cross-prompt index).
 - ``allocate`` spends a budget of next-draft lookups on the most probable outcomes, per request
   and optionally across a batch, so a confident request gets few candidates and an uncertain one
   many. Outcomes are disjoint events, so the top-B set maximises the chance of a hit.
@@ -16,6 +17,7 @@ emits (a correction, never d_{j+1}, when j < k; the bonus token when j = k).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ngramrl.config import PrefetchConfig
@@ -72,6 +74,30 @@ class AcceptanceCalibration:
             cell[1] += 1
 
 
+class Survival(Sequence[float]):
+    """The chance that a draft's tokens 0..i are all accepted, for each i, computed only as far as
+    it is read (deciding draft lengths for a large batch mostly reads the first token of each),
+    and scaled by ``scale``."""
+
+    def __init__(self, probs: list[float], calibration: AcceptanceCalibration, scale: float = 1.0) -> None:
+        self._probs = probs
+        self._calibration = calibration
+        self._values: list[float] = []
+        self._running = scale
+
+    def __len__(self) -> int:
+        return len(self._probs)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        while len(self._values) <= i:
+            position = len(self._values)
+            self._running *= self._calibration.chance(position, self._probs[position])
+            self._values.append(self._running)
+        return self._values[i]
+
+
 def accepted_length_distribution(chances: list[float]) -> list[float]:
     """P(j) for j = 0..k from per-position acceptance chances."""
     out = []
@@ -83,51 +109,55 @@ def accepted_length_distribution(chances: list[float]) -> list[float]:
     return out
 
 
-def token_distribution(index: SuffixAutomaton, match: MatchState, exclude: int, levels: int,
-                       limit: int, floor: float = 0.0) -> list[tuple[float, int]]:
+Source = tuple[SuffixAutomaton, MatchState]  # an index and the context's match state in it
+
+
+def token_distribution(sources: list[Source], exclude: int, levels: int, limit: int,
+                       floor: float = 0.0) -> list[tuple[float, int]]:
     """Up to ``limit`` likeliest next tokens other than ``exclude`` with their probabilities,
-    interpolating the first ``levels`` suffix levels that have continuations (Witten-Bell).
-    Tokens whose probability is at most ``floor`` are left out."""
-    link, followed = index.link, index.followed
-    continuations = index.continuations
-    state = match.state
+    interpolating, source after source (the prompt's index, then the cross-prompt one), the first
+    ``levels`` suffix levels that have continuations (Witten-Bell: the unseen mass of a level
+    goes to the next shorter one, and after the last level to the next source). Tokens whose
+    probability is at most ``floor`` are left out."""
     probs: dict[int, float] = {}
     mass = 1.0
-    used = 0
-    while used < levels:
-        ranked = continuations(state)
-        if ranked:
-            used += 1
-            norm = followed[state] + len(ranked)
-            for token, count in ranked:
-                if token == exclude:
-                    norm -= count
+    for index, match in sources:
+        link, followed, continuations = index.link, index.followed, index.continuations
+        state = match.state
+        used = 0
+        while used < levels and mass > floor:
+            ranked = continuations(state)
+            if ranked:
+                used += 1
+                norm = followed[state] + len(ranked)
+                for token, count in ranked:
+                    if token == exclude:
+                        norm -= count
+                        break
+                if norm <= 0:
                     break
-            if norm <= 0:
+                scale = mass / norm
+                for token, count in ranked[:limit + 1]:
+                    if token != exclude:
+                        probs[token] = probs.get(token, 0.0) + scale * count
+                mass *= len(ranked) / norm
+            if state == ROOT:
                 break
-            scale = mass / norm
-            for token, count in ranked[:limit + 1]:
-                if token != exclude:
-                    probs[token] = probs.get(token, 0.0) + scale * count
-            mass *= len(ranked) / norm
-            if mass <= floor:
-                break
-        if state == ROOT:
-            break
-        state = link[state]
+            state = link[state]
     out = sorted(((p, t) for t, p in probs.items() if p > floor), reverse=True)
     return out[:limit]
 
 
-def predict_outcomes(index: SuffixAutomaton, start: MatchState, draft: Draft, chances: list[float],
-                     limit: int, levels: int = 3) -> list[Outcome]:
+def predict_outcomes(sources: list[Source], draft: Draft, chances: list[float], limit: int,
+                     levels: int = 3) -> list[Outcome]:
     """The ``limit`` most probable outcomes (j, b) of verifying ``draft`` from the context's match
-    state ``start``, most probable first."""
-    if limit <= 0:
+    states in ``sources`` (the prompt's index first), most probable first."""
+    if limit <= 0 or not sources:
         return []
     tokens = draft.tokens
-    chain = [(start.state, start.matched)]  # match states after tokens[:j], extended as needed
-    step = index.step
+    # Match states after tokens[:j] in each source, extended as needed: the "match state for each
+    # likely j" that makes any b one automaton step away.
+    chains = [(index, [(match.state, match.matched)]) for index, match in sources]
     k = len(tokens)
     p_accepted = accepted_length_distribution(chances)
     best: list[tuple[float, int, int]] = []  # min-heap of the current top ``limit`` (p, j, b)
@@ -136,11 +166,13 @@ def predict_outcomes(index: SuffixAutomaton, start: MatchState, draft: Draft, ch
         pj = p_accepted[j]
         if len(best) == limit and pj <= best[0][0]:
             break  # P(b | j) <= 1: no later j can enter the top set
-        while len(chain) <= j:
-            chain.append(step(*chain[-1], tokens[len(chain) - 1]))
-        match = MatchState(*chain[j])
+        at_j = []
+        for index, chain in chains:
+            while len(chain) <= j:
+                chain.append(index.step(*chain[-1], tokens[len(chain) - 1]))
+            at_j.append((index, MatchState(*chain[j])))
         floor = best[0][0] / pj if len(best) == limit else 0.0
-        for p_token, token in token_distribution(index, match, tokens[j] if j < k else -1, levels, limit, floor):
+        for p_token, token in token_distribution(at_j, tokens[j] if j < k else -1, levels, limit, floor):
             p = pj * p_token
             if len(best) < limit:
                 push(best, (p, j, token))
@@ -152,10 +184,10 @@ def predict_outcomes(index: SuffixAutomaton, start: MatchState, draft: Draft, ch
     return [Outcome(p, j, b) for p, j, b in best]
 
 
-def predict_for(index: SuffixAutomaton, start: MatchState, draft: Draft, calibration: AcceptanceCalibration,
-                limit: int, levels: int) -> list[Outcome]:
+def predict_for(sources: list[Source], draft: Draft, calibration: AcceptanceCalibration, limit: int,
+                levels: int) -> list[Outcome]:
     """``predict_outcomes`` with the acceptance chances calibrated from what was observed so far."""
-    return predict_outcomes(index, start, draft, calibration.chances(draft.probs), limit, levels)
+    return predict_outcomes(sources, draft, calibration.chances(draft.probs), limit, levels)
 
 
 def allocate(candidates: dict[str, list[Outcome]], config: PrefetchConfig) -> dict[str, list[Outcome]]:

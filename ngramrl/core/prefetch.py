@@ -83,7 +83,8 @@ class Prefetcher:
         index = self.drafter.index(request)
         if index is None:
             return []
-        return predict_for(index, request.match, draft, self.calibration, self.config.budget, self.config.levels)
+        return predict_for(self.drafter.outcome_sources(request), draft, self.calibration, self.config.budget,
+                           self.config.levels)
 
     def dispatch(self, batch: list[tuple[RequestState, Draft, int]]) -> None:
         """Drafts (request, draft, k) were just sent for verification: start lookups for their
@@ -193,11 +194,10 @@ class BackgroundPrefetch:
         for request, draft, k in self._jobs:
             if self._stop.is_set():
                 return
-            index = request.index
-            if index is None or not request.known:
+            sources = self.drafter.outcome_sources(request)
+            if not sources:
                 continue
-            outcomes = predict_for(index, request.match, draft, self.calibration, self.config.budget,
-                                   self.config.levels)
+            outcomes = predict_for(sources, draft, self.calibration, self.config.budget, self.config.levels)
             plans.append((request, draft, k, outcomes))
         self.stats.bookkeeping_ns.append(time.perf_counter_ns() - begin)
         # Likeliest outcomes of the whole batch first, so an early stop loses the least.

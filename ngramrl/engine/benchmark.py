@@ -2,10 +2,12 @@
 
     python -m ngramrl.engine.benchmark --workload gsm --prompts 4 --samples 8 --warmup-epochs 2
 
-For each method one engine is started; warm-up epochs build the history (every method sees the
-same earlier rollouts: vLLM's suffix caches responses itself, ngram needs none); then rollouts are
-generated at each concurrency (requests in flight at once) and timed. vLLM's own counters give
-the accepted tokens; tokens per forward = generated / (generated - accepted).
+For each method one engine is started, and all stay up; warm-up epochs build the history (every
+method sees the same earlier rollouts: vLLM's suffix caches responses itself, ngram needs none);
+then, at each concurrency (requests in flight at once), the methods take turns generating the same
+prompts with the same seeds, ``--repeats`` rounds in rotated order, and are timed. Ratios to the
+first method are printed pooled and paired (the median over rounds of the ratio within a round).
+vLLM's own counters give the accepted tokens; tokens per forward = generated / (generated - accepted).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -37,31 +40,40 @@ def _prompts(workload: str, count: int, model_dir: str, spider_dir: str | None):
     return specs
 
 
-def run_method(method: str, args: argparse.Namespace, model_dir: str, prompts, stats_path: str) -> dict:
-    from ngramrl.engine.rollouts import RolloutEngine, RolloutEngineConfig
+class MethodRun:
+    """One method's engine, alive for the whole benchmark so that methods can take turns."""
 
-    os.environ["NGRAMRL_STATS_FILE"] = stats_path
-    config = RolloutEngineConfig(model=model_dir, draft=method.split("-")[0], num_speculative_tokens=args.k,
-                                 max_model_len=args.max_model_len, seed=0,
-                                 ngramrl=NgramRLConfig(drafter=DrafterConfig(min_confidence=args.min_confidence),
-                                                       engine=EngineConfig(adaptive_length=not args.fixed_k,
-                                                                           prefetch=method == "ngramrl-prefetch")),
-                                 engine_args={"max_num_seqs": max(args.concurrency),
-                                              # vLLM turns async scheduling off for every n-gram-style
-                                              # drafter; "none-sync" isolates what that alone costs.
-                                              **({"async_scheduling": False} if method == "none-sync" else {})})
-    started = time.perf_counter()
-    engine = RolloutEngine(config)
-    out = {"method": method, "engine_start_s": round(time.perf_counter() - started, 1), "runs": []}
-    generating = 0.0  # all generate() time, warm-up included: what the proposer's counters cover
-    for epoch in range(args.warmup_epochs):
-        begin = time.perf_counter()
-        engine.generate(prompts, n=args.samples, epoch=epoch, temperature=args.temperature,
-                        max_tokens=args.max_tokens, seed=1000 * epoch)
-        generating += time.perf_counter() - begin
-    epoch = args.warmup_epochs
-    for concurrency in args.concurrency:
-        before = engine.spec_decode_metrics()
+    def __init__(self, method: str, args: argparse.Namespace, model_dir: str, stats_path: str) -> None:
+        from ngramrl.engine.rollouts import RolloutEngine, RolloutEngineConfig
+
+        self.method, self.args, self.stats_path = method, args, stats_path
+        os.environ["NGRAMRL_STATS_FILE"] = stats_path  # read by this engine's process when it starts
+        config = RolloutEngineConfig(model=model_dir, draft=method.split("-")[0], num_speculative_tokens=args.k,
+                                     max_model_len=args.max_model_len, seed=0,
+                                     ngramrl=NgramRLConfig(drafter=DrafterConfig(min_confidence=args.min_confidence),
+                                                           engine=EngineConfig(adaptive_length=not args.fixed_k,
+                                                                               prefetch=method == "ngramrl-prefetch")),
+                                     engine_args={"max_num_seqs": max(args.concurrency),
+                                                  # vLLM turns async scheduling off for every n-gram-style
+                                                  # drafter; "none-sync" isolates what that alone costs.
+                                                  **({"async_scheduling": False} if method == "none-sync" else {})})
+        started = time.perf_counter()
+        self.engine = RolloutEngine(config)
+        self.out: dict = {"method": method, "engine_start_s": round(time.perf_counter() - started, 1), "runs": []}
+        self.generating = 0.0  # all generate() time, warm-up included: what the proposer's counters cover
+
+    def warm_up(self, prompts) -> None:
+        args = self.args
+        for epoch in range(args.warmup_epochs):
+            begin = time.perf_counter()
+            self.engine.generate(prompts, n=args.samples, epoch=epoch, temperature=args.temperature,
+                                 max_tokens=args.max_tokens, seed=1000 * epoch)
+            self.generating += time.perf_counter() - begin
+
+    def timed(self, prompts, concurrency: int, epoch: int) -> dict:
+        """Generate every prompt's samples with ``concurrency`` requests in flight; time it."""
+        args = self.args
+        before, proposer_before = self.engine.spec_decode_metrics(), _proposer_stats(self.stats_path)
         tokens, seconds = 0, 0.0
         # Requests in flight at once = concurrency: groups of whole prompts (n samples each), or
         # single samples for concurrency below n.
@@ -72,31 +84,77 @@ def run_method(method: str, args: argparse.Namespace, model_dir: str, prompts, s
             for first in range(0, len(prompts), groups):
                 batch = prompts[first:first + groups]
                 begin = time.perf_counter()
-                rollouts = engine.generate(batch, n=per_prompt, epoch=epoch, temperature=args.temperature,
-                                           max_tokens=args.max_tokens, seed=7919 * epoch + 97 * round_ + first)
+                rollouts = self.engine.generate(batch, n=per_prompt, epoch=epoch, temperature=args.temperature,
+                                                max_tokens=args.max_tokens, seed=7919 * epoch + 97 * round_ + first)
                 seconds += time.perf_counter() - begin
                 tokens += sum(len(r.output) for r in rollouts)
-        generating += seconds
-        after = engine.spec_decode_metrics()
+        self.generating += seconds
+        after = self.engine.spec_decode_metrics()
         accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
         drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
         drafted = after.get("num_draft_tokens", 0) - before.get("num_draft_tokens", 0)
-        out["runs"].append({
-            "concurrency": concurrency, "tokens": tokens, "seconds": round(seconds, 3),
-            "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
-            "mean_accepted_per_draft": round(accepted / drafts, 3) if drafts else None,
-            "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
-            "tokens_per_forward": round(tokens / max(1, tokens - accepted), 3),
-        })
-        epoch += 1
-    if os.path.exists(stats_path):
-        with open(stats_path) as handle:
-            out["proposer"] = json.load(handle)
-        drafting = out["proposer"]["draft_us_total"] / 1e6
-        # Synchronous step time over step time without the drafting cost: what prefetch can win.
-        out["overlap_ceiling"] = round(generating / max(1e-9, generating - drafting), 4)
-    engine.close()
-    return out
+        run = {"concurrency": concurrency, "epoch": epoch, "tokens": tokens, "seconds": round(seconds, 3),
+               "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
+               "accepted": accepted, "drafts": drafts, "draft_tokens": drafted}
+        proposer_after = _proposer_stats(self.stats_path)
+        if proposer_after:  # what the proposer expected of its verified drafts, and what it chose
+            delta = {key: round(proposer_after[key] - proposer_before.get(key, 0), 2) for key in
+                     ("drafted_tokens", "cut_tokens", "accepted_tokens", "expected_accepted", "steps", "row_steps")
+                     if key in proposer_after}
+            delta["cost_ms"] = {name: round(1000 * proposer_after.get(f"step_{name}_s", 0.0), 3)
+                                for name in ("base", "per_request", "per_token", "per_verify")}
+            run["proposer"] = delta
+        return run
+
+    def finish(self, phases: list[dict]) -> dict:
+        """Phases at one concurrency pooled into one run each; the engine is shut down."""
+        for concurrency in dict.fromkeys(p["concurrency"] for p in phases):
+            mine = [p for p in phases if p["concurrency"] == concurrency]
+            tokens, seconds = sum(p["tokens"] for p in mine), sum(p["seconds"] for p in mine)
+            accepted, drafts = sum(p["accepted"] for p in mine), sum(p["drafts"] for p in mine)
+            drafted = sum(p["draft_tokens"] for p in mine)
+            self.out["runs"].append({
+                "concurrency": concurrency, "tokens": tokens, "seconds": round(seconds, 3),
+                "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
+                "repeats_tokens_per_s": [p["tokens_per_s"] for p in mine],
+                "mean_accepted_per_draft": round(accepted / drafts, 3) if drafts else None,
+                "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+                "tokens_per_forward": round(tokens / max(1, tokens - accepted), 3),
+                "proposer": [p["proposer"] for p in mine if "proposer" in p] or None,
+            })
+        proposer = _proposer_stats(self.stats_path)
+        if proposer:
+            self.out["proposer"] = proposer
+            drafting = proposer["draft_us_total"] / 1e6
+            # Synchronous step time over step time without the drafting cost: what prefetch can win.
+            self.out["overlap_ceiling"] = round(self.generating / max(1e-9, self.generating - drafting), 4)
+        self.engine.close()
+        return self.out
+
+
+def run_interleaved(methods: list[str], args: argparse.Namespace, model_dir: str, prompts, scratch: str) -> list[dict]:
+    """Every method's engine is started and warmed up; then, at each concurrency, the methods take
+    turns (``--repeats`` rounds, the order rotated each round) on the same prompts and seeds, so
+    that drift of the machine's speed hits all of them alike."""
+    runs = [MethodRun(m, args, model_dir, os.path.join(scratch, f"{m}.json")) for m in methods]
+    for run in runs:
+        run.warm_up(prompts)
+    phases: dict[str, list[dict]] = {m: [] for m in methods}
+    epoch = args.warmup_epochs
+    for concurrency in args.concurrency:
+        for repeat in range(args.repeats):
+            shift = repeat % len(runs)
+            for run in runs[shift:] + runs[:shift]:
+                phases[run.method].append(run.timed(prompts, concurrency, epoch))
+            epoch += 1
+    return [run.finish(phases[run.method]) for run in runs]
+
+
+def _proposer_stats(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as handle:
+        return json.load(handle)
 
 
 def _merge(path: str, results: list[dict]) -> list[dict]:
@@ -127,30 +185,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds per concurrency in which the methods take turns (engines stay up)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    # All engines are up at once: a share of a few GiB of KV cache each is plenty for these rollouts.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, 6 // len(args.methods))))
     from ngramrl.data.models import prepare_smollm2
 
     model_dir = args.model or prepare_smollm2()
     prompts = _prompts(args.workload, args.prompts, model_dir, args.spider_dir)
-    results = []
     with tempfile.TemporaryDirectory() as scratch:
-        for method in args.methods:
-            result = run_method(method, args, model_dir, prompts, os.path.join(scratch, f"{method}.json"))
-            results.append(result)
-            print(json.dumps(result), flush=True)
+        results = run_interleaved(args.methods, args, model_dir, prompts, scratch)
+    for result in results:
+        print(json.dumps(result), flush=True)
     if args.json:
         results = _merge(args.json, results)
         order = {m: i for i, m in enumerate(METHODS)}
         results.sort(key=lambda r: order.get(r["method"], len(order)))
-    baseline = {r["concurrency"]: r["tokens_per_s"] for r in results[0]["runs"]} if results else {}
-    print(f"\n{'method':<17} {'conc':>5} {'tok/s':>8} {'x ' + results[0]['method']:>8} {'tok/fwd':>8} {'acc/draft':>9}")
+    baseline = {r["concurrency"]: r for r in results[0]["runs"]} if results else {}
+    print(f"\n{'method':<17} {'conc':>5} {'tok/s':>8} {'x ' + results[0]['method']:>8} {'paired':>7} "
+          f"{'tok/fwd':>8} {'acc/draft':>9}")
     for result in results:
         for run in result["runs"]:
-            ratio = run["tokens_per_s"] / baseline[run["concurrency"]] if baseline.get(run["concurrency"]) else 0
+            base = baseline.get(run["concurrency"])
+            ratio = run["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else 0.0
+            paired = 0.0
+            if base and len(base.get("repeats_tokens_per_s", [])) == len(run.get("repeats_tokens_per_s", [])):
+                paired = statistics.median(a / b for a, b in zip(run["repeats_tokens_per_s"],
+                                                                base["repeats_tokens_per_s"], strict=True))
+                run["paired_ratio"] = round(paired, 4)
             print(f"{result['method']:<17} {run['concurrency']:>5} {run['tokens_per_s']:>8.1f} {ratio:>8.2f} "
-                  f"{run['tokens_per_forward']:>8.3f} {run['mean_accepted_per_draft'] or 0:>9.2f}")
+                  f"{paired:>7.2f} {run['tokens_per_forward']:>8.3f} {run['mean_accepted_per_draft'] or 0:>9.2f}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "results": results}, handle, indent=1)

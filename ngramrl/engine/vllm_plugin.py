@@ -9,6 +9,8 @@
    memory and any batch with a sampled request is sampled wrongly.
 3. Guards the rejection sampler against a speculative step whose drafts are all empty.
 4. On CPUs, draws the rejection sampler's recovered-token noise only for requests with drafts.
+5. A speculative step in which no request has a draft samples exactly as a step without
+   speculation (vLLM 0.32 runs the whole rejection-sampling path for it anyway).
 """
 
 from __future__ import annotations
@@ -123,6 +125,30 @@ def lean_recovered_token_noise() -> bool:
     return True
 
 
+def plain_sampling_without_drafts() -> bool:
+    """With a speculative config, vLLM 0.32 sends every step through the rejection sampler, also
+    a step in which no request got a draft (the cost model turned drafting off, or nothing
+    matched). Such a step has nothing to verify: sampling the bonus logits with the ordinary
+    sampler is what rejection sampling with zero drafts reduces to (the same sampler call on the
+    same logits, the same random draws), minus the verification bookkeeping. So a proposer that
+    drafts nothing costs what no speculation costs."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    original = RejectionSampler.forward
+    if getattr(original, _PATCHED_ATTR, False):
+        return True
+
+    def forward(self, metadata, draft_probs, logits, sampling_metadata):
+        if metadata.max_spec_len == 0 and not getattr(self, "synthetic_mode", False):
+            return self.sampler(logits=logits[metadata.bonus_logits_indices], sampling_metadata=sampling_metadata,
+                                predict_bonus_token=True)
+        return original(self, metadata, draft_probs, logits, sampling_metadata)
+
+    setattr(forward, _PATCHED_ATTR, True)
+    RejectionSampler.forward = forward
+    return True
+
+
 def bind_proposer_to_runner() -> None:
     """Wrap the model runner's constructor so an ngramrl proposer learns which runner it serves."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -143,6 +169,7 @@ def bind_proposer_to_runner() -> None:
 
 FIX_ENV = "NGRAMRL_VLLM_CPU_FIX"  # "0" leaves the bug in place (only to reproduce it in tests)
 LEAN_ENV = "NGRAMRL_VLLM_LEAN_NOISE"  # "0" keeps vLLM's noise for every request
+PLAIN_ENV = "NGRAMRL_VLLM_PLAIN_NO_DRAFT"  # "0" keeps vLLM's rejection sampler on steps without drafts
 
 
 def register() -> None:
@@ -153,6 +180,8 @@ def register() -> None:
         guard_empty_draft_batches()
         if os.environ.get(LEAN_ENV, "1") != "0":
             lean_recovered_token_noise()
+        if os.environ.get(PLAIN_ENV, "1") != "0":
+            plain_sampling_without_drafts()
         bind_proposer_to_runner()
     except ImportError as err:  # pragma: no cover - a vLLM without these modules
         logger.warning("ngramrl: vLLM plugin not applied: %s", err)

@@ -14,23 +14,22 @@ reaches the engine process; ``RolloutEngine`` sets it.
 
 from __future__ import annotations
 
-import itertools
 import json
-import operator
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
-from ngramrl.core.cost import StepCostModel, choose_draft_lengths
+from ngramrl.core.cost import StepCostModel, choose_draft_lengths, probe_lengths
 from ngramrl.core.drafter import EMPTY, Draft, NgramDrafter
 from ngramrl.core.history import RolloutHistory
-from ngramrl.core.outcome import AcceptanceCalibration
+from ngramrl.core.outcome import AcceptanceCalibration, Survival
 from ngramrl.core.prefetch import BackgroundPrefetch
 
 CONFIG_ENV = "NGRAMRL_CONFIG"
 STATS_ENV = "NGRAMRL_STATS_FILE"  # where the engine-process proposer reports its counters
+PROBE_TOKENS = (1, 4)  # draft tokens verified by the probes while drafting is off, in turn
 
 
 def config_to_env(config: NgramRLConfig) -> str:
@@ -73,6 +72,9 @@ class ProposerStats:
     finished_rollouts: int = 0
     row_steps: int = 0           # (request, step) pairs: target forwards spent on requests with a prompt id
     committed_tokens: int = 0    # tokens those forwards committed
+    accepted_tokens: int = 0     # verified draft tokens the target accepted
+    expected_accepted: float = 0.0  # what the calibrated chances expected of them (their sum; the
+    #                                 cost model scales chances by accepted / expected: the winner's curse)
     draft_ns: list[int] = field(default_factory=list)
 
 
@@ -188,10 +190,18 @@ class NgramRLProposer:
             previous = self._pending.pop(req_id, None)
             if previous is not None:
                 self.calibration.observe_verified(previous, sampled)
+                if previous.tokens:
+                    self.stats.accepted_tokens += len(sampled) - 1
             room = self.max_model_len - int(num_tokens_no_spec[row]) - 1
             rows.append(Row(row, req_id, request, list(sampled), min(self.k, room)))
+        engine = self.config.engine
+        if (engine.adaptive_length and not self._exploring()
+                and not self.cost.drafting_can_pay(len(rows), engine.min_gain)):
+            for row in rows:  # no draft could pay for its verification at this batch size: skip the lookups
+                row.k = 0
         made = self._draft(rows)
-        lengths = self._lengths(made)
+        lengths, expected = self._lengths(made)
+        self.stats.expected_accepted += expected
         self._pending.clear()
         for row, draft, length in zip(rows, made, lengths, strict=True):
             kept = draft.truncated(length)
@@ -208,13 +218,28 @@ class NgramRLProposer:
         self._step_started = end / 1e9
         return drafts
 
-    def _lengths(self, drafts: list[Draft]) -> list[int]:
-        """How much of each draft to verify: all of it, or what the step-cost model says pays off."""
+    def _exploring(self) -> bool:
+        return self.stats.steps % self.config.engine.explore_every == 0
+
+    def _lengths(self, drafts: list[Draft]) -> tuple[list[int], float]:
+        """How much of each draft to verify: all of it, or what the step-cost model says pays off.
+        While drafting is off, every ``explore_every``-th step verifies a probe of the batch's few
+        likeliest tokens (1 or 4 in turn), so the fit keeps seeing what verifying costs, and
+        drafting comes back when the batch shrinks or the drafts get better. Also returns the
+        accepted tokens the calibrated model expects of what is kept."""
         engine = self.config.engine
-        if not engine.adaptive_length or self.stats.steps % engine.explore_every == 0:
-            return [len(d.tokens) for d in drafts]
-        survival = [list(itertools.accumulate(self.calibration.chances(d.probs), operator.mul)) for d in drafts]
-        return choose_draft_lengths(survival, self.cost)
+        survival = [Survival(d.probs, self.calibration) for d in drafts]
+        if not engine.adaptive_length:
+            chosen = [len(d.tokens) for d in drafts]
+        else:
+            # The tokens chosen are those the model rates highest, so their chances run high (the
+            # winner's curse): scale them by what verified drafts delivered against what was expected.
+            delivered = min(1.0, (self.stats.accepted_tokens + 8.0) / (self.stats.expected_accepted + 8.0))
+            chosen = choose_draft_lengths([Survival(d.probs, self.calibration, delivered) for d in drafts],
+                                          self.cost, engine.min_gain)
+            if self._exploring() and not any(chosen):
+                chosen = probe_lengths(survival, PROBE_TOKENS[(self.stats.steps // engine.explore_every) % 2])
+        return chosen, sum(sum(s[:n]) for s, n in zip(survival, chosen, strict=True))
 
     def _admit(self, req_id: str, cached: Any, sampled: list[int]) -> None:
         """First sight of a request: start it as a live sequence of its prompt."""
@@ -247,15 +272,17 @@ class NgramRLProposer:
         """Counters since the engine started (what the rollout metrics are made of)."""
         import statistics
 
-        base, per_request, per_token = self.cost.coefficients
+        base, per_request, per_token, per_verify = self.cost.coefficients
         stats = self.stats
         return {"steps": stats.steps, "drafts": stats.drafts, "drafted_tokens": stats.drafted_tokens,
                 "prefetch_hits": stats.prefetch_hits, "cut_tokens": stats.cut_tokens,
                 "finished_rollouts": stats.finished_rollouts, "row_steps": stats.row_steps,
-                "committed_tokens": stats.committed_tokens,
+                "committed_tokens": stats.committed_tokens, "accepted_tokens": stats.accepted_tokens,
+                "expected_accepted": round(stats.expected_accepted, 2),
                 "draft_us_median": statistics.median(stats.draft_ns[-4096:]) / 1000 if stats.draft_ns else None,
                 "draft_us_total": sum(stats.draft_ns) / 1000, "step_base_s": base,
-                "step_per_request_s": per_request, "step_per_token_s": per_token, **self._backend_stats()}
+                "step_per_request_s": per_request, "step_per_token_s": per_token,
+                "step_per_verify_s": per_verify, **self._backend_stats()}
 
     def write_stats(self, path: str) -> None:
         tmp = f"{path}.tmp"

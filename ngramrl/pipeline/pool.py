@@ -193,8 +193,8 @@ class DrafterShard:
             index = self.drafter.index(request)
             if index is None:
                 continue
-            plans[request_id] = predict_for(index, request.match, draft, self.calibration, budget.budget,
-                                            budget.levels)
+            plans[request_id] = predict_for(self.drafter.outcome_sources(request), draft, self.calibration,
+                                            budget.budget, budget.levels)
         chosen = allocate(plans, budget)
         out: dict[str, list[tuple[int, int, list[int], list[float]]]] = {}
         for request_id, outcomes in chosen.items():

@@ -160,6 +160,36 @@ def test_cross_prompt_fallback_when_other_prompts_match_longer():
     assert draft.tokens == [42, 43, 44] and draft.source == "global"
 
 
+def test_cross_prompt_index_is_rebuilt_rarely_as_windows_move_on():
+    """Every new epoch evicts each prompt's oldest rollouts. Rebuilding the cross-prompt index at
+    each eviction would cost the whole history every time; it is rebuilt only once evicted
+    rollouts are half of it, and then holds nothing evicted."""
+    history = RolloutHistory(HistoryConfig(rollouts_per_prompt=2, epochs_kept=1, prompt_tail=0))
+    prompts = {f"p{i}": [i] for i in range(20)}
+    adds = 0
+    for epoch in range(12):
+        for pid, prompt in prompts.items():
+            history.add_rollout(pid, prompt, [100 + epoch, 200 + int(pid[1:]), 300 + epoch], epoch=epoch)
+            history.global_index()  # a lookup after each finished rollout, as in the engine
+            adds += 1
+    assert history.global_builds <= 12  # against one per eviction (220) if rebuilt every time
+    history._global = None  # noqa: SLF001 - a fresh build holds the current window only
+    fresh = history.global_index()
+    assert fresh.match([100 + 11])[1] == 1 and fresh.match([100 + 5])[1] == 0
+
+
+def test_outcome_sources_are_the_prompt_index_then_the_cross_prompt_one():
+    history, drafter = make()
+    history.add_rollout("p", PROMPT, [10, 11], epoch=0)
+    history.add_rollout("q", [7, 8, 9], [40, 41, 42], epoch=0)
+    request = drafter.start("r", "p", PROMPT)
+    drafter.commit(request, [40])
+    drafter.propose(request, 4)
+    sources = drafter.outcome_sources(request)
+    assert [index for index, _ in sources] == [history.index_of("p"), history.global_index()]
+    assert drafter.outcome_sources(drafter.start("x", "unknown", [5])) == []
+
+
 @pytest.mark.parametrize("bad", [dict(max_draft=-1), dict(min_confidence=1.5), dict(min_match=0)])
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):

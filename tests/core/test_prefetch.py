@@ -189,7 +189,7 @@ def test_predicted_outcomes_never_include_the_rejected_draft_token_and_are_sorte
     history, drafter, request, draft = first_draft(seed=6, temperature=1.0, prompt_id="p1")
     assert draft.tokens
     index = history.index_of("p1")
-    outcomes = predict_outcomes(index, request.match, draft, draft.probs, 16)
+    outcomes = predict_outcomes([(index, request.match)], draft, draft.probs, 16)
     assert 0 < len(outcomes) <= 16
     probabilities = [o.probability for o in outcomes]
     assert probabilities == sorted(probabilities, reverse=True) and sum(probabilities) <= 1.0 + 1e-9

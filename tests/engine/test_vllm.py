@@ -96,6 +96,20 @@ def test_sampled_distribution_and_mixed_batch_unchanged(tiny_model_dir, tmp_path
     assert chi2_same_distribution(pairs_a, pairs_b) > 1e-3
 
 
+def test_steps_without_drafts_sample_exactly_as_without_speculation(tiny_model_dir, tmp_path):
+    """A proposer that never drafts (every draft cut) must give the very tokens of no speculation,
+    seeded sampled rows included: steps without drafts sample like plain steps (plugin item 5)."""
+    never = {"drafter": {"min_confidence": 1.0}}
+    requests = [{"prompt": PROMPTS[f"p{i % 4}"], "prompt_id": f"p{i % 4}", "epoch": 0, "max_tokens": 24,
+                 "temperature": 0.0 if i % 3 == 0 else 0.9, "top_k": -1 if i % 3 == 0 else 20,
+                 "seed": None if i % 3 == 0 else 500 + i} for i in range(12)]
+    spec = {"model": tiny_model_dir, "k": 4, "epochs": [requests, requests]}
+    plain = run(tmp_path, "plain", {**spec, "draft": "none"})
+    silent = run(tmp_path, "silent", {**spec, "draft": "ngramrl", "ngramrl_config": never})
+    assert silent["metrics"].get("vllm:spec_decode_num_drafts", 0) == 0
+    assert silent["outputs"] == plain["outputs"]
+
+
 def test_cpu_sampling_bug_is_reproduced_without_the_fix_and_gone_with_it(tiny_model_dir, tmp_path):
     import vllm.platforms
     from vllm.v1.sample import rejection_sampler
