@@ -52,6 +52,7 @@ class PrefetchConfig:
     min_probability: float = 0.0       # outcomes less likely than this are never prefetched
     levels: int = 3                    # suffix levels whose continuations are candidate corrections
     prior_strength: float = 4.0        # pseudo-observations behind the drafter's own estimate
+    calibration_decay: float = 0.99    # forgetting per observation of a calibration cell (acceptance drifts)
     workers: int = 2                   # lookup threads (the Ray drafter pool replaces them later)
 
     def __post_init__(self) -> None:
@@ -63,6 +64,8 @@ class PrefetchConfig:
             raise ValueError(f"PrefetchConfig.min_probability must be in [0, 1], got {self.min_probability}")
         if self.levels < 1 or self.workers < 1:
             raise ValueError("PrefetchConfig.levels and workers must be >= 1")
+        if not 0.0 < self.calibration_decay <= 1.0:
+            raise ValueError(f"PrefetchConfig.calibration_decay must be in (0, 1], got {self.calibration_decay}")
         if self.prior_strength <= 0:
             raise ValueError(f"PrefetchConfig.prior_strength must be > 0, got {self.prior_strength}")
 

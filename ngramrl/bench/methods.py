@@ -137,7 +137,7 @@ class NgramRLMethod:
         self.history = RolloutHistory(history)
         self.drafter = NgramDrafter(self.history, drafter)
         self.prefetch = prefetch or PrefetchConfig()
-        self.calibration = AcceptanceCalibration(self.prefetch.prior_strength)
+        self.calibration = AcceptanceCalibration(self.prefetch.prior_strength, self.prefetch.calibration_decay)
         self.request: RequestState | None = None
         self.last_draft: Draft | None = None
         self.tally = CoverageTally(sorted(set(budgets or [])))

@@ -44,8 +44,11 @@ class AcceptanceCalibration:
     """Running acceptance rate per (draft position bucket, estimate decile), with the drafter's
     estimate as the prior; one instance per workload (or per prompt) as the caller chooses."""
 
-    def __init__(self, prior_strength: float = 4.0) -> None:
+    def __init__(self, prior_strength: float = 4.0, decay: float = 1.0) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"AcceptanceCalibration decay must be in (0, 1], got {decay}")
         self.prior_strength = prior_strength
+        self.decay = decay  # per observation of a cell: acceptance drifts as the history warms and the policy moves
         self._table: dict[tuple[int, int], list[float]] = {}
 
     def chance(self, position: int, estimate: float) -> float:
@@ -68,10 +71,54 @@ class AcceptanceCalibration:
 
     def observe(self, probs: list[float], accepted: int) -> None:
         """Learn from one verified draft: positions < accepted were accepted, position accepted was not."""
+        decay = self.decay
         for position, estimate in enumerate(probs[:accepted + 1]):
             cell = self._table.setdefault((_position_bucket(position), min(9, int(estimate * 10))), [0.0, 0.0])
-            cell[0] += position < accepted
-            cell[1] += 1
+            cell[0] = decay * cell[0] + (position < accepted)
+            cell[1] = decay * cell[1] + 1
+
+
+class DraftFollower:
+    """Calibrates acceptance from every draft, verified or not, by following the committed tokens.
+
+    With a drafter that proposes one token for sure (q is a point mass), speculative sampling
+    accepts draft token d_i with chance p(d_i): exactly the chance that the target, sampling on
+    its own, emits d_i there (and after a rejection it emits something else). So comparing a draft
+    with the tokens committed after it (in this step, and in the next ones while they keep
+    matching) draws its number of accepted tokens from the same distribution as verifying it would.
+    That lets the calibration keep learning while the cost model verifies little or nothing (large
+    batches, compute-bound verification), with no exploration. One draft per request is followed
+    at a time."""
+
+    def __init__(self, calibration: AcceptanceCalibration) -> None:
+        self.calibration = calibration
+        self._open: dict[str, tuple[Draft, int]] = {}
+
+    def offer(self, key: str, draft: Draft) -> None:
+        """``draft`` was made for request ``key`` (whatever part of it is verified)."""
+        if draft.tokens and key not in self._open:
+            self._open[key] = (draft, 0)
+
+    def committed(self, key: str, tokens: list[int]) -> None:
+        """Request ``key`` committed ``tokens`` (what its last forward produced)."""
+        followed = self._open.get(key)
+        if followed is None:
+            return
+        draft, matched = followed
+        for token in tokens:
+            if token != draft.tokens[matched]:
+                break
+            matched += 1
+            if matched == len(draft.tokens):
+                break
+        else:
+            self._open[key] = (draft, matched)  # every committed token matched: keep following
+            return
+        del self._open[key]
+        self.calibration.observe(draft.probs, matched)
+
+    def drop(self, key: str) -> None:
+        self._open.pop(key, None)
 
 
 class Survival(Sequence[float]):

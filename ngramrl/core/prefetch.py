@@ -72,7 +72,8 @@ class Prefetcher:
         self.drafter = drafter
         self.config = config or PrefetchConfig()
         self.worker = worker or ThreadLookupWorker(drafter, workers=self.config.workers)
-        self.calibration = calibration or AcceptanceCalibration(self.config.prior_strength)
+        self.calibration = calibration or AcceptanceCalibration(self.config.prior_strength,
+                                                                self.config.calibration_decay)
         self.stats = PrefetchStats()
         self._pending: dict[str, _Pending] = {}
 

@@ -24,7 +24,7 @@ from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLCo
 from ngramrl.core.cost import StepCostModel, choose_draft_lengths, probe_lengths
 from ngramrl.core.drafter import EMPTY, Draft, NgramDrafter
 from ngramrl.core.history import RolloutHistory
-from ngramrl.core.outcome import AcceptanceCalibration, Survival
+from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival
 from ngramrl.core.prefetch import BackgroundPrefetch
 
 CONFIG_ENV = "NGRAMRL_CONFIG"
@@ -99,7 +99,10 @@ class NgramRLProposer:
         self.requests: dict[str, Any] = {}  # the drafting state of each request; None: no prompt id
         self.epochs: dict[str, int] = {}
         self.stats = ProposerStats()
-        self.calibration = AcceptanceCalibration(self.config.prefetch.prior_strength)
+        prefetch = self.config.prefetch
+        self.calibration = AcceptanceCalibration(prefetch.prior_strength, prefetch.calibration_decay)
+        self.follower = DraftFollower(self.calibration)  # learns from cut drafts too
+        self._delivered = [0.0, 0.0]  # accepted vs expected verified draft tokens, recent steps weigh more
         self.cost = StepCostModel(self.config.engine.cost_decay)
         self._pending: dict[str, Draft] = {}   # drafts sent for verification in the last step
         self._verified_tokens = 0               # draft tokens the last step's forward verified
@@ -188,10 +191,10 @@ class NgramRLProposer:
             self.stats.row_steps += 1
             self.stats.committed_tokens += len(sampled)
             previous = self._pending.pop(req_id, None)
-            if previous is not None:
-                self.calibration.observe_verified(previous, sampled)
-                if previous.tokens:
-                    self.stats.accepted_tokens += len(sampled) - 1
+            self.follower.committed(req_id, sampled)
+            if previous is not None and previous.tokens:
+                self.stats.accepted_tokens += len(sampled) - 1
+                self._delivered[0] += len(sampled) - 1
             room = self.max_model_len - int(num_tokens_no_spec[row]) - 1
             rows.append(Row(row, req_id, request, list(sampled), min(self.k, room)))
         engine = self.config.engine
@@ -202,8 +205,11 @@ class NgramRLProposer:
         made = self._draft(rows)
         lengths, expected = self._lengths(made)
         self.stats.expected_accepted += expected
+        decay = self.config.prefetch.calibration_decay  # recent steps count: acceptance drifts
+        self._delivered = [decay * self._delivered[0], decay * self._delivered[1] + expected]
         self._pending.clear()
         for row, draft, length in zip(rows, made, lengths, strict=True):
+            self.follower.offer(row.req_id, draft)
             kept = draft.truncated(length)
             self._pending[row.req_id] = kept
             drafts[row.row] = kept.tokens
@@ -234,7 +240,7 @@ class NgramRLProposer:
         else:
             # The tokens chosen are those the model rates highest, so their chances run high (the
             # winner's curse): scale them by what verified drafts delivered against what was expected.
-            delivered = min(1.0, (self.stats.accepted_tokens + 8.0) / (self.stats.expected_accepted + 8.0))
+            delivered = min(1.0, (self._delivered[0] + 8.0) / (self._delivered[1] + 8.0))
             chosen = choose_draft_lengths([Survival(d.probs, self.calibration, delivered) for d in drafts],
                                           self.cost, engine.min_gain)
             if self._exploring() and not any(chosen):
@@ -262,6 +268,7 @@ class NgramRLProposer:
             request = self.requests.pop(req_id)
             epoch = self.epochs.pop(req_id, 0)
             self._pending.pop(req_id, None)
+            self.follower.drop(req_id)
             if request is not None:
                 self._finish(request, epoch)
                 self.stats.finished_rollouts += 1

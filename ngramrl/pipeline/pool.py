@@ -83,7 +83,7 @@ class DrafterShard:
         self.drafter_config = DrafterConfig(**{**config.drafter.__dict__,
                                                "stop_tokens": tuple(sorted(set(config.drafter.stop_tokens)
                                                                            | set(stop_tokens)))})
-        self.calibration = AcceptanceCalibration(config.prefetch.prior_strength)
+        self.calibration = AcceptanceCalibration(config.prefetch.prior_strength, config.prefetch.calibration_decay)
         self.stats = ShardStats()
         self._empty()
 

@@ -231,3 +231,25 @@ def test_background_prefetch_lookups_equal_ordinary_ones():
         assert ordinary_draft_after(drafter, request, "p2", draft.tokens[:j] + [b]) == prefetched.tokens
     background.dispatch([(request, draft, K)])
     background.collect()  # stopping right away is fine: whatever finished is returned
+
+
+def test_draft_follower_learns_acceptance_from_committed_tokens_verified_or_not():
+    from ngramrl.core.drafter import Draft
+    from ngramrl.core.outcome import DraftFollower
+
+    calibration = AcceptanceCalibration(prior_strength=1.0)
+    follower = DraftFollower(calibration)
+    draft = Draft([5, 6, 7, 8], [0.5, 0.5, 0.5, 0.5])
+    follower.offer("r", draft)
+    follower.offer("r", Draft([9], [0.5]))   # one draft followed at a time
+    follower.committed("r", [5])             # nothing verified: the target emitted d_1 on its own
+    follower.committed("r", [6, 7])          # d_2 and d_3 follow in the next step
+    follower.committed("r", [1])             # d_4 does not: 3 accepted
+    assert calibration.chance(0, 0.5) > 0.5 and calibration.chance(3, 0.5) < 0.5
+    follower.offer("s", Draft([2, 3], [0.9, 0.9]))
+    follower.committed("s", [4])              # rejected at once
+    assert calibration.chance(0, 0.9) < 0.9
+    follower.offer("t", Draft([2], [0.9]))
+    follower.drop("t")
+    follower.committed("t", [2])              # a dropped request teaches nothing
+    assert calibration.chance(0, 0.9) == pytest.approx((0 + 0.9) / (1 + 1.0))

@@ -31,7 +31,10 @@ def run_config(model_dir, out, *overrides):
         f"model.path={model_dir}", f"run.output_dir={out}", "run.steps=3", "workload.prompts=2",
         "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens=64",
         "rollout.max_model_len=2048", "rollout.temperature=0", "rollout.cpu_kv_cache_gib=1", "pool.shards=2",
-        "tracking.wandb=offline", "tracking.progress=false", *overrides])
+        "tracking.wandb=offline", "tracking.progress=false",
+        # Whole drafts: these tests are about the pipeline's plumbing (the step-cost model that cuts
+        # drafts on slow hardware is tested in tests/core/test_cost.py and measured in the benchmark).
+        "ngramrl.engine.adaptive_length=false", *overrides])
 
 
 @pytest.fixture(scope="module")
