@@ -194,7 +194,10 @@ class NgramDrafter:
             return EMPTY
         after = after or []
         skip, states = at if at is not None else (0, [])
-        match = advance(index, states[0] if states else request.match, after[skip if states else 0:])
+        if states:
+            match = advance(index, states[0], after[skip:])
+        else:
+            match = advance(index, request.match, after) if after else request.match
         best = self.walk(index, match, k, "prompt")
         if self.config.use_global:
             global_index = self.history.global_index()
@@ -206,7 +209,7 @@ class NgramDrafter:
             if len(states) > 1:
                 global_match = advance(global_index, states[1], after[skip:])
             else:
-                global_match = advance(global_index, request.global_match, after)
+                global_match = advance(global_index, request.global_match, after) if after else request.global_match
             if global_match.matched > best.matched:
                 other = self.walk(global_index, global_match, k, "global")
                 if other.tokens:

@@ -93,6 +93,8 @@ class DraftFollower:
     def __init__(self, calibration: AcceptanceCalibration) -> None:
         self.calibration = calibration
         self._open: dict[str, tuple[Draft, int]] = {}
+        self.resolved = 0  # drafts followed to their end
+        self.accepted = 0  # their accepted tokens: 1 + accepted / resolved is what whole drafts would give
 
     def offer(self, key: str, draft: Draft) -> None:
         """``draft`` was made for request ``key`` (whatever part of it is verified)."""
@@ -116,6 +118,8 @@ class DraftFollower:
             return
         del self._open[key]
         self.calibration.observe(draft.probs, matched)
+        self.resolved += 1
+        self.accepted += matched
 
     def drop(self, key: str) -> None:
         self._open.pop(key, None)

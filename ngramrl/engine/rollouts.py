@@ -71,6 +71,27 @@ class RolloutEngine:
             kwargs["speculative_config"] = spec
         kwargs.update(config.engine_args)
         self.llm = LLM(**kwargs)
+        self._spec_counts = self._count_spec_decoding()
+
+    def _count_spec_decoding(self) -> dict[str, float] | None:
+        """Counts this engine's speculative decoding stats as they are recorded. vLLM's Prometheus
+        counters are process-wide: a second engine in the same process replaces the first one's,
+        so with several engines (a benchmark) only counting at the source is per engine."""
+        manager = getattr(getattr(self.llm, "llm_engine", None), "logger_manager", None)
+        if manager is None or not hasattr(manager, "record"):
+            return None
+        counts = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
+        record = manager.record
+
+        def counting_record(*args: Any, **kwargs: Any) -> Any:
+            stats = getattr(kwargs.get("scheduler_stats"), "spec_decoding_stats", None)
+            if stats is not None:
+                for name in counts:
+                    counts[name] += float(getattr(stats, name, 0) or 0)
+            return record(*args, **kwargs)
+
+        manager.record = counting_record
+        return counts
 
     def generate(self, prompts: list[PromptSpec], n: int = 1, epoch: int | dict[str, int] = 0,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, max_tokens: int = 256,
@@ -107,6 +128,8 @@ class RolloutEngine:
 
     def spec_decode_metrics(self) -> dict[str, float]:
         """vLLM's own speculative decoding counters (drafts, draft tokens, accepted tokens)."""
+        if self._spec_counts is not None:
+            return dict(self._spec_counts)
         out: dict[str, float] = {}
         for metric in self.llm.get_metrics():
             if metric.name.startswith("vllm:spec_decode_num_") and hasattr(metric, "value"):

@@ -286,6 +286,7 @@ class NgramRLProposer:
                 "finished_rollouts": stats.finished_rollouts, "row_steps": stats.row_steps,
                 "committed_tokens": stats.committed_tokens, "accepted_tokens": stats.accepted_tokens,
                 "expected_accepted": round(stats.expected_accepted, 2),
+                "followed_drafts": self.follower.resolved, "followed_accepted": self.follower.accepted,
                 "draft_us_median": statistics.median(stats.draft_ns[-4096:]) / 1000 if stats.draft_ns else None,
                 "draft_us_total": sum(stats.draft_ns) / 1000, "step_base_s": base,
                 "step_per_request_s": per_request, "step_per_token_s": per_token,

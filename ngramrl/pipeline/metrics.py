@@ -6,7 +6,7 @@ from typing import Any
 
 COUNTERS = ("steps", "row_steps", "committed_tokens", "drafts", "drafted_tokens", "prefetch_hits", "cut_tokens",
             "pool_calls", "pool_late_rows", "pool_down_rows", "pool_errors", "pool_reconnects", "pool_prefetch_late",
-            "draft_us_total")
+            "draft_us_total", "followed_drafts", "followed_accepted")
 
 
 def counters(stats: dict[str, Any] | None) -> dict[str, float]:
@@ -28,6 +28,10 @@ def draft_rates(window: dict[str, float]) -> dict[str, float]:
     forwards = window.get("row_steps", 0.0)
     committed = window.get("committed_tokens", 0.0)
     return {"tokens_per_forward": ratio(committed, forwards, 1.0),
+            # What the history offers: tokens per forward if every draft were verified whole (the
+            # step-cost model verifies less where verifying costs more than it saves).
+            "offered_tokens_per_forward": 1.0 + ratio(window.get("followed_accepted", 0.0),
+                                                      window.get("followed_drafts", 0.0)),
             "acceptance": ratio(committed - forwards, window.get("drafted_tokens", 0.0)),
             "prefetch_coverage": ratio(window.get("prefetch_hits", 0.0), window.get("drafts", 0.0)),
             "drafter_ms_per_step": ratio(window.get("draft_us_total", 0.0), window.get("steps", 0.0)) / 1000,

@@ -165,7 +165,7 @@ class PoolProposer(NgramRLProposer):
             request.output.extend(committed)
             items.setdefault(request.shard, []).append(item)
             if ready is not None:
-                drafts[i] = ready.truncated(row.k)
+                drafts[i] = self._usable(ready, row.k)
                 self.stats.prefetch_hits += 1
             elif row.k > 0:
                 waiting.setdefault(request.shard, []).append(i)
@@ -179,6 +179,13 @@ class PoolProposer(NgramRLProposer):
             self._wait_for_drafts(rows, drafts, refs, waiting)
         self.step_refs = [(shard, ref) for shard, ref in refs.items() if shard not in waiting]
         return drafts
+
+    def _usable(self, draft: Draft, k: int) -> Draft:
+        """At most ``k`` tokens, and nothing after this engine's end-of-sequence tokens: the shards
+        may have been started without them (OpenRLHF's launch does not know the tokenizer)."""
+        stops = self.drafter_config.stop_tokens
+        end = next((i + 1 for i, token in enumerate(draft.tokens[:k]) if token in stops), k)
+        return draft.truncated(end)
 
     def _wait_for_drafts(self, rows: list[Row], drafts: list[Draft], refs: dict[int, Any],
                          waiting: dict[int, list[int]]) -> None:
@@ -204,7 +211,7 @@ class PoolProposer(NgramRLProposer):
                 if not reply.known:
                     request.synced_with = None  # the shard was replaced: send the whole request next step
                     continue
-                drafts[i] = Draft(reply.tokens, reply.probs, source="prompt").truncated(rows[i].k)
+                drafts[i] = self._usable(Draft(reply.tokens, reply.probs, source="prompt"), rows[i].k)
 
     def _end_step(self, rows: list[Row], drafts: list[Draft]) -> None:
         by_shard: dict[int, list[str]] = {}

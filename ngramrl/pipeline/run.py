@@ -44,6 +44,7 @@ class StepRecord:
     sync_seconds: float
     tokens: int
     tokens_per_forward: float      # committed tokens per target forward (vLLM's counters)
+    offered_tokens_per_forward: float  # what whole drafts would have given (the cost model may verify less)
     acceptance: float              # accepted / drafted tokens
     coverage: float                # next drafts served by the prefetch / drafts verified
     drafter_ms_per_step: float     # the proposer's time per engine step (incl. waiting for the pool)
@@ -56,7 +57,8 @@ class StepRecord:
 
     def line(self) -> str:
         return (f"step {self.step:3d}  reward {self.reward:.3f}  loss {self.loss:+.4f}  kl {self.kl:.4f}  "
-                f"tok/fwd {self.tokens_per_forward:.2f}  accept {self.acceptance:.2f}  coverage {self.coverage:.2f}  "
+                f"tok/fwd {self.tokens_per_forward:.2f} (offered {self.offered_tokens_per_forward:.2f})  "
+                f"accept {self.acceptance:.2f}  coverage {self.coverage:.2f}  "
                 f"rollout {self.rollout_seconds:.1f}s ({self.tokens / max(self.rollout_seconds, 1e-9):.0f} tok/s)  "
                 f"train {self.train_seconds:.1f}s ({self.trained_samples} samples)  "
                 f"pool {self.pool_healthy} up, {self.pool_restarts} restarts")
@@ -71,11 +73,12 @@ class TrainResult:
     wandb_dir: str | None = None
 
     def summary(self) -> str:
-        head = (f"{'step':>4} {'reward':>7} {'loss':>8} {'tok/fwd':>7} {'accept':>6} {'cover':>6} "
+        head = (f"{'step':>4} {'reward':>7} {'loss':>8} {'tok/fwd':>7} {'offered':>7} {'accept':>6} {'cover':>6} "
                 f"{'rollout s':>9} {'tok/s':>6} {'train s':>7} {'fallback':>8} {'restarts':>8}")
         rows = [head]
         for r in self.steps:
             rows.append(f"{r.step:>4} {r.reward:>7.3f} {r.loss:>+8.4f} {r.tokens_per_forward:>7.2f} "
+                        f"{r.offered_tokens_per_forward:>7.2f} "
                         f"{r.acceptance:>6.2f} {r.coverage:>6.2f} {r.rollout_seconds:>9.1f} "
                         f"{r.tokens / max(r.rollout_seconds, 1e-9):>6.0f} {r.train_seconds:>7.1f} "
                         f"{r.pool_fallback_rows:>8d} {r.pool_restarts:>8d}")
@@ -279,6 +282,7 @@ def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]
         kl=mean("kl"), clip_fraction=mean("clip_fraction"), rollout_seconds=rollout_seconds,
         train_seconds=max(m["train_seconds"] for m in train_metrics), sync_seconds=sync_seconds, tokens=int(tokens),
         tokens_per_forward=ratio(tokens, tokens - accepted, 1.0),
+        offered_tokens_per_forward=rates["offered_tokens_per_forward"],
         acceptance=ratio(accepted, engine.get("vllm_num_draft_tokens", 0.0)),
         coverage=rates["prefetch_coverage"], drafter_ms_per_step=rates["drafter_ms_per_step"],
         pool_fallback_rows=int(rates["pool_fallback_rows"]),

@@ -19,6 +19,13 @@ def test_rates_over_a_window():
 
 def test_an_empty_window_means_no_drafting():
     rates = draft_rates(delta(counters(None), counters(None)))
-    assert rates == {"tokens_per_forward": 1.0, "acceptance": 0.0, "prefetch_coverage": 0.0,
-                     "drafter_ms_per_step": 0.0, "pool_fallback_rows": 0.0}
+    assert rates == {"tokens_per_forward": 1.0, "offered_tokens_per_forward": 1.0, "acceptance": 0.0,
+                     "prefetch_coverage": 0.0, "drafter_ms_per_step": 0.0, "pool_fallback_rows": 0.0}
     assert set(counters({"unrelated": 3})) == set(COUNTERS)
+
+
+def test_offered_tokens_per_forward_comes_from_the_followed_drafts():
+    window = delta(counters({"followed_drafts": 10, "followed_accepted": 15, "row_steps": 40, "committed_tokens": 42}),
+                   counters(None))
+    rates = draft_rates(window)
+    assert rates["offered_tokens_per_forward"] == 2.5 and rates["tokens_per_forward"] == 42 / 40

@@ -128,3 +128,19 @@ def test_pool_rebuilds_a_killed_shard_and_restores_saved_state(local_ray, tmp_pa
             fresh.shutdown()
     finally:
         pool.shutdown()
+
+
+def test_engine_side_drafts_end_at_the_engines_end_of_sequence_tokens():
+    """Shards started without the tokenizer's EOS (OpenRLHF's launch) may draft past it; the engine
+    side cuts there, and at k."""
+    from types import SimpleNamespace
+
+    from ngramrl.config import DrafterConfig
+    from ngramrl.core.drafter import Draft
+    from ngramrl.pipeline.pool_proposer import PoolProposer
+
+    proposer = SimpleNamespace(drafter_config=DrafterConfig(stop_tokens=(2,)))
+    draft = Draft([5, 6, 2, 7, 8], [0.9] * 5)
+    assert PoolProposer._usable(proposer, draft, 8).tokens == [5, 6, 2]
+    assert PoolProposer._usable(proposer, draft, 1).tokens == [5]
+    assert PoolProposer._usable(proposer, Draft([5, 6], [0.9, 0.9]), 8).tokens == [5, 6]

@@ -65,6 +65,7 @@ def test_rollouts_feed_the_history_and_drafts_are_used(faulty_run):
     assert steps[0].tokens_per_forward < 1.5           # cold: nothing to draft from but the prompt
     assert steps[2].tokens_per_forward > 3.0           # warm: earlier rollouts of the same prompts
     assert steps[2].acceptance > 0.5 and steps[2].coverage > 0.0
+    assert steps[2].offered_tokens_per_forward > 2.0   # the followed drafts say the same
     assert all(s.pool_healthy == 2 for s in steps)
 
 
