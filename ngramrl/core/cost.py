@@ -24,7 +24,8 @@ rejected makes the step slower than it saves. The model:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -91,18 +92,12 @@ def choose_draft_lengths(survival: Sequence[Sequence[float]], model: StepCostMod
     plain = float(len(survival))                     # every request commits one token per step
     plain_time = base + per_request * len(survival)
     committed, time = plain, plain_time + per_verify
-    heap = [(-s[0], r, 0) for r, s in enumerate(survival) if s]
-    heapq.heapify(heap)
-    while heap:
-        negative, r, i = heapq.heappop(heap)
-        chance = -negative
+    for chance, r, i in _best_first(survival):
         if chance * time <= demand * per_token * committed:
             break  # the best remaining token does not pay for its verification
         lengths[r] = i + 1
         committed += chance
         time += per_token
-        if i + 1 < len(survival[r]):
-            heapq.heappush(heap, (-survival[r][i + 1], r, i + 1))
     if committed * plain_time <= demand * plain * time:  # verifying at all costs more than the drafts save
         return [0] * len(survival)
     return lengths
@@ -112,12 +107,19 @@ def probe_lengths(survival: Sequence[Sequence[float]], tokens: int) -> list[int]
     """The ``tokens`` likeliest draft tokens of the batch (each request's leading ones): a cheap
     verification that keeps the cost fit seeing what draft tokens cost while drafting is off."""
     lengths = [0] * len(survival)
+    for _, r, i in itertools.islice(_best_first(survival), tokens):
+        lengths[r] = i + 1
+    return lengths
+
+
+def _best_first(survival: Sequence[Sequence[float]]) -> Iterator[tuple[float, int, int]]:
+    """(survival chance, request, token index) over the batch's draft tokens, likeliest first.
+    Chances fall along a draft, so a request's next token is read only once its previous one is
+    taken (lazy survival sequences are read no further than needed)."""
     heap = [(-s[0], r, 0) for r, s in enumerate(survival) if s]
     heapq.heapify(heap)
-    while heap and tokens > 0:
-        _, r, i = heapq.heappop(heap)
-        lengths[r] = i + 1
-        tokens -= 1
+    while heap:
+        negative, r, i = heapq.heappop(heap)
+        yield -negative, r, i
         if i + 1 < len(survival[r]):
             heapq.heappush(heap, (-survival[r][i + 1], r, i + 1))
-    return lengths
