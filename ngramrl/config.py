@@ -70,6 +70,9 @@ class PrefetchConfig:
             raise ValueError(f"PrefetchConfig.prior_strength must be > 0, got {self.prior_strength}")
 
 
+PREFETCH_MODES = ("auto", "on", "off")
+
+
 @dataclass
 class EngineConfig:
     """How the engine proposer spends verification."""
@@ -78,9 +81,15 @@ class EngineConfig:
     cost_decay: float = 0.98           # forgetting factor of the online step-time fit
     explore_every: int = 16            # while drafting is off, every n-th step verifies a few tokens (cost probe)
     min_gain: float = 0.1              # drafts must raise the expected throughput by this much (estimates err)
-    prefetch: bool = True              # look up likely next drafts while the forward runs
+    prefetch: str = "auto"             # look up likely next drafts while the forward runs: "on", "off", or
+    #                                    "auto": on where the forward leaves CPU cores idle (an accelerator,
+    #                                    or spare cores); off where it runs on every core (it would slow it)
 
     def __post_init__(self) -> None:
+        if isinstance(self.prefetch, bool):  # older configs: true / false
+            self.prefetch = "on" if self.prefetch else "off"
+        if self.prefetch not in PREFETCH_MODES:
+            raise ValueError(f"EngineConfig.prefetch must be one of {PREFETCH_MODES}, got {self.prefetch!r}")
         if not 0.0 < self.cost_decay <= 1.0:
             raise ValueError(f"EngineConfig.cost_decay must be in (0, 1], got {self.cost_decay}")
         if self.min_gain < 0:

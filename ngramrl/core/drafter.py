@@ -76,8 +76,10 @@ class RequestState:
     index: SuffixAutomaton | None = None      # the prompt index the match state refers to
     match: MatchState = field(default_factory=MatchState)
     pending: list[int] = field(default_factory=list)  # committed, not yet in the index
+    behind: list[int] = field(default_factory=list)   # committed, not yet stepped into ``match``
     global_index: SuffixAutomaton | None = None
     global_match: MatchState = field(default_factory=MatchState)
+    global_behind: list[int] = field(default_factory=list)  # committed, not yet stepped into ``global_match``
     layout: int = -1  # history layout the index references were checked under
 
 
@@ -116,13 +118,33 @@ class NgramDrafter:
         index = self.index(request)
         if index is None:
             return
-        request.match = advance(index, request.match, tokens)
+        # The match states are stepped on only when a lookup needs them: a request that is not
+        # drafted this step (drafting off at a large batch) pays for the index insert alone.
         request.pending = list(tokens)
-        if request.global_index is not None and self.config.use_global:
-            if request.global_index is self.history.global_index():
-                request.global_match = advance(request.global_index, request.global_match, tokens)
-            else:
+        request.behind = list(tokens)
+        if request.global_index is not None:
+            request.global_behind.extend(tokens)
+
+    def catch_up(self, request: RequestState, index: SuffixAutomaton | None = None) -> None:
+        """Step the match states over the tokens committed since they were last needed (a lookup
+        does this itself; the outcome model reads the states as they are)."""
+        index = index or request.index
+        if index is None:
+            return
+        if request.behind:
+            request.match = advance(index, request.match, request.behind)
+            request.behind = []
+        behind = request.global_behind
+        if behind and request.global_index is not None:
+            request.global_behind = []
+            if request.global_index is not self.history.global_index():
                 request.global_index = None  # re-matched on the next lookup
+            elif len(behind) > self.config.rematch_tokens:  # re-reading the recent context is cheaper
+                context = request.prompt + request.output
+                request.global_match = advance(request.global_index, MatchState(),
+                                               context[-self.config.rematch_tokens:])
+            else:
+                request.global_match = advance(request.global_index, request.global_match, behind)
 
     def absorb(self, request: RequestState) -> None:
         """Add the request's committed tokens to its prompt's index (after its next draft is made)."""
@@ -133,6 +155,7 @@ class NgramDrafter:
             if index is request.index:
                 cursor = self.history.cursor(request.prompt_id, request.request_id)
                 request.match = MatchState(cursor, index.length[cursor])
+                request.behind = []
 
     def finish(self, request: RequestState, epoch: int | None = None, linger: bool = False) -> None:
         """The request ended: keep its output as a finished rollout of ``epoch``, or drop it (None;
@@ -157,6 +180,7 @@ class NgramDrafter:
             request.index = index
             cursor = self.history.cursor(request.prompt_id, request.request_id)
             request.match = advance(index, MatchState(cursor, index.length[cursor]), request.pending)
+            request.behind = []
         return index
 
     def outcome_sources(self, request: RequestState) -> list[tuple[SuffixAutomaton, MatchState]]:
@@ -164,10 +188,10 @@ class NgramDrafter:
         then the cross-prompt index when the request is matched in the current one (both as of
         its last lookup; nothing is rebuilt here, so a prefetch thread may call it)."""
         index = request.index
-        if not request.known or index is None:
-            return []
+        if not request.known or index is None or request.behind:
+            return []  # not looked up since its last tokens: no current match state to read
         sources = [(index, request.match)]
-        if (self.config.use_global and request.global_index is not None
+        if (self.config.use_global and request.global_index is not None and not request.global_behind
                 and request.global_index is self.history.built_global_index()):
             sources.append((request.global_index, request.global_match))
         return sources
@@ -192,6 +216,7 @@ class NgramDrafter:
         index = self.index(request)
         if index is None:
             return EMPTY
+        self.catch_up(request, index)
         after = after or []
         skip, states = at if at is not None else (0, [])
         if states:

@@ -84,6 +84,7 @@ class Prefetcher:
         index = self.drafter.index(request)
         if index is None:
             return []
+        self.drafter.catch_up(request, index)
         return predict_for(self.drafter.outcome_sources(request), draft, self.calibration, self.config.budget,
                            self.config.levels)
 

@@ -21,7 +21,10 @@ import time
 
 from ngramrl.config import DrafterConfig, EngineConfig, NgramRLConfig
 
-METHODS = ("none", "none-sync", "ngram", "suffix", "ngramrl", "ngramrl-prefetch")
+METHODS = ("none", "none-sync", "ngram", "suffix", "ngramrl", "ngramrl-prefetch", "ngramrl-prefetch-on")
+# ngramrl's prefetch setting per arm: synchronous; the default ("auto": on only where the forward
+# leaves a core idle); forced on (what prefetching costs where it does not)
+PREFETCH = {"ngramrl": "off", "ngramrl-prefetch": "auto", "ngramrl-prefetch-on": "on"}
 
 
 def _prompts(workload: str, count: int, model_dir: str, spider_dir: str | None):
@@ -52,7 +55,7 @@ class MethodRun:
                                      max_model_len=args.max_model_len, seed=0,
                                      ngramrl=NgramRLConfig(drafter=DrafterConfig(min_confidence=args.min_confidence),
                                                            engine=EngineConfig(adaptive_length=not args.fixed_k,
-                                                                               prefetch=method == "ngramrl-prefetch")),
+                                                                               prefetch=PREFETCH.get(method, "off"))),
                                      engine_args={"max_num_seqs": max(args.concurrency),
                                                   # vLLM turns async scheduling off for every n-gram-style
                                                   # drafter; "none-sync" isolates what that alone costs.

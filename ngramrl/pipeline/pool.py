@@ -193,6 +193,7 @@ class DrafterShard:
             index = self.drafter.index(request)
             if index is None:
                 continue
+            self.drafter.catch_up(request, index)
             plans[request_id] = predict_for(self.drafter.outcome_sources(request), draft, self.calibration,
                                             budget.budget, budget.levels)
         chosen = allocate(plans, budget)

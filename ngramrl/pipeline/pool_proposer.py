@@ -220,7 +220,8 @@ class PoolProposer(NgramRLProposer):
             request.verified = len(draft.tokens)
             if draft.tokens and self.handles[request.shard] is not None:
                 by_shard.setdefault(request.shard, []).append(request.req_id)
-        if not (self.config.engine.prefetch and self.config.prefetch.budget > 0):
+        if not (self.prefetching and self.config.prefetch.budget > 0
+                and self._looks_up(self.stats.steps + 1, len(rows))):
             return
         for shard, req_ids in by_shard.items():
             handle = self.handles[shard]

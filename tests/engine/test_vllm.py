@@ -16,7 +16,9 @@ pytest.importorskip("vllm")
 
 RUNNER = os.path.join(os.path.dirname(__file__), "vllm_runner.py")
 PROMPTS = {f"p{i}": [1, 5 + i, 9, 12 + i, 30 + i] for i in range(4)}
-WHOLE_DRAFTS = {"engine": {"adaptive_length": False}}
+# Whole drafts, prefetched during the forward ("auto" turns prefetch off on this CPU-only engine;
+# forced on, the prefetch path is exercised too).
+WHOLE_DRAFTS = {"engine": {"adaptive_length": False, "prefetch": "on"}}
 
 
 def run(tmp_path, name, spec, env=None, may_fail=False):
@@ -45,7 +47,7 @@ def greedy_epochs():
 def test_greedy_outputs_identical_with_and_without_ngramrl(tiny_model_dir, tmp_path):
     spec = {"model": tiny_model_dir, "k": 6, "epochs": greedy_epochs()}
     plain = run(tmp_path, "plain", {**spec, "draft": "none"})
-    drafted = run(tmp_path, "ngramrl", {**spec, "draft": "ngramrl"})
+    drafted = run(tmp_path, "ngramrl", {**spec, "draft": "ngramrl", "ngramrl_config": {"engine": {"prefetch": "on"}}})
     assert drafted["outputs"] == plain["outputs"]
     metrics = drafted["metrics"]
     assert metrics["vllm:spec_decode_num_drafts"] > 0

