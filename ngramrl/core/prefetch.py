@@ -13,6 +13,7 @@ prefetching changes when a draft is computed, never which draft, and never a com
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -145,19 +146,25 @@ class Prefetcher:
 
 class BackgroundPrefetch:
     """The prefetcher for a synchronous engine loop (vLLM's model runner): one worker thread
-    predicts outcomes and runs the lookups while the engine's forward runs (PyTorch releases the
-    GIL), and ``collect`` stops it before the index changes again. Lookups that finished are
-    used; the rest are simply not."""
+    that, while the engine's forward runs (PyTorch releases the GIL), adds the step's committed
+    tokens to the index and then predicts outcomes and runs their lookups. ``collect`` stops it
+    before the index is used again; lookups that finished are used, the rest are simply not, and
+    tokens it had no time to add are added by the next ``commit``.
 
-    def __init__(self, drafter: NgramDrafter, config: PrefetchConfig, calibration: AcceptanceCalibration) -> None:
+    ``cores``: the CPU cores the thread runs on (those the forward leaves idle; empty: anywhere)."""
+
+    def __init__(self, drafter: NgramDrafter, config: PrefetchConfig, calibration: AcceptanceCalibration,
+                 cores: frozenset[int] = frozenset()) -> None:
         import threading
 
         self.drafter = drafter
         self.config = config
         self.calibration = calibration
+        self.cores = cores
         self.stats = PrefetchStats()
         self._results: dict[tuple[str, int, int], Draft] = {}
         self._jobs: list[tuple[RequestState, Draft, int]] = []
+        self._absorb: list[RequestState] = []
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._idle = threading.Event()
@@ -165,9 +172,11 @@ class BackgroundPrefetch:
         self._thread = threading.Thread(target=self._run, name="ngramrl-prefetch", daemon=True)
         self._thread.start()
 
-    def dispatch(self, jobs: list[tuple[RequestState, Draft, int]]) -> None:
-        """Drafts (request, draft, k) were sent for verification: work on their likely outcomes."""
+    def dispatch(self, jobs: list[tuple[RequestState, Draft, int]], absorb: list[RequestState] = ()) -> None:
+        """Drafts (request, draft, k) were sent for verification: add the ``absorb`` requests'
+        committed tokens to the index, then work on the drafts' likely outcomes."""
         self._jobs = jobs
+        self._absorb = list(absorb)
         self._results = {}
         self._stop.clear()
         self._idle.clear()
@@ -180,6 +189,11 @@ class BackgroundPrefetch:
         return self._results
 
     def _run(self) -> None:
+        if self.cores and hasattr(os, "sched_setaffinity"):
+            try:
+                os.sched_setaffinity(0, self.cores)  # this thread only (Linux): the cores the forward leaves idle
+            except OSError:
+                pass
         while True:
             self._wake.wait()
             self._wake.clear()
@@ -192,10 +206,15 @@ class BackgroundPrefetch:
 
     def _work(self) -> None:
         begin = time.perf_counter_ns()
+        for request in self._absorb:
+            if self._stop.is_set():
+                return
+            self.drafter.absorb(request)
         plans = []
         for request, draft, k in self._jobs:
             if self._stop.is_set():
                 return
+            self.drafter.catch_up(request)
             sources = self.drafter.outcome_sources(request)
             if not sources:
                 continue

