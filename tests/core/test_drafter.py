@@ -211,3 +211,35 @@ def test_a_prompt_evicted_while_its_request_runs_stops_drafting_without_error():
     drafter.commit(request, [10])
     assert drafter.propose(request).tokens == []
     drafter.finish(request, epoch=1)
+
+
+def test_steps_without_lookups_leave_the_next_draft_unchanged():
+    """Match states are stepped only when a lookup needs them (a request that is not drafted
+    pays only for the index insert): drafting after steps without lookups gives what drafting
+    every step gives, from both the prompt's and the cross-prompt index."""
+    import random
+
+    drafts = {}
+    for lazy in (False, True):
+        rng = random.Random(3)
+        history, drafter = make()
+        for p in range(3):
+            for _ in range(3):
+                history.add_rollout(f"p{p}", PROMPT, [rng.randrange(10, 16) for _ in range(60)], epoch=0)
+        rng.seed(4)
+        request = drafter.start("r", "p0", PROMPT, register=True)
+        made = []
+        for step in range(80):
+            drafter.commit(request, [rng.randrange(10, 16) for _ in range(rng.randrange(1, 4))])
+            if lazy and step % 7 != 6:  # lazy: a lookup every 7th step only
+                made.append(None)
+                continue
+            made.append(drafter.lookup(request, 8))
+            index = history.index_of("p0")  # the match state is the longest suffix of the context it holds
+            assert (request.match.state, request.match.matched) == index.match(request.prompt + request.output)
+            drafter.absorb(request)
+        drafts[lazy] = made
+    for eager, lazy in zip(drafts[False], drafts[True], strict=True):
+        if lazy is not None:
+            assert (lazy.tokens, lazy.source, lazy.matched) == (eager.tokens, eager.source, eager.matched)
+    assert sum(d is not None and bool(d.tokens) for d in drafts[True]) >= 5
