@@ -67,6 +67,22 @@ def _retrieve(task: asyncio.Future) -> None:
         task.exception()
 
 
+def choose_outcomes(drafter: NgramDrafter, sent: list[tuple[RequestState, Draft]], calibration: AcceptanceCalibration,
+                    config: PrefetchConfig) -> dict[str, list[Outcome]]:
+    """The outcomes to prefetch, per request id, for drafts just sent for verification: the
+    outcome model's likeliest (j, b) for each, then the budget allocator across the batch. Every
+    prefetcher (asyncio, the engine's worker thread, a Ray drafter shard) plans with this."""
+    candidates: dict[str, list[Outcome]] = {}
+    for request, draft in sent:
+        index = drafter.index(request) if request.known and config.budget else None
+        if index is None:
+            continue
+        drafter.catch_up(request, index)
+        candidates[request.request_id] = predict_for(drafter.outcome_sources(request), draft, calibration,
+                                                     config.budget, config.levels)
+    return allocate(candidates, config)
+
+
 class Prefetcher:
     def __init__(self, drafter: NgramDrafter, config: PrefetchConfig | None = None,
                  worker: LookupWorker | None = None, calibration: AcceptanceCalibration | None = None) -> None:
@@ -78,24 +94,13 @@ class Prefetcher:
         self.stats = PrefetchStats()
         self._pending: dict[str, _Pending] = {}
 
-    def predict(self, request: RequestState, draft: Draft) -> list[Outcome]:
-        """The request's most probable outcomes for ``draft``, up to the per-request budget."""
-        if not request.known or not self.config.budget:
-            return []
-        index = self.drafter.index(request)
-        if index is None:
-            return []
-        self.drafter.catch_up(request, index)
-        return predict_for(self.drafter.outcome_sources(request), draft, self.calibration, self.config.budget,
-                           self.config.levels)
-
     def dispatch(self, batch: list[tuple[RequestState, Draft, int]]) -> None:
         """Drafts (request, draft, k) were just sent for verification: start lookups for their
         likeliest outcomes."""
         begin = time.perf_counter_ns()
         requests = {request.request_id: (request, draft, k) for request, draft, k in batch}
-        candidates = {rid: self.predict(request, draft) for rid, (request, draft, _) in requests.items()}
-        chosen = allocate(candidates, self.config)
+        chosen = choose_outcomes(self.drafter, [(request, draft) for request, draft, _ in requests.values()],
+                                 self.calibration, self.config)
         for rid, (request, draft, k) in requests.items():
             self.cancel(rid)
             tasks = {}
@@ -210,24 +215,19 @@ class BackgroundPrefetch:
             if self._stop.is_set():
                 return
             self.drafter.absorb(request)
-        plans = []
-        for request, draft, k in self._jobs:
-            if self._stop.is_set():
-                return
-            self.drafter.catch_up(request)
-            sources = self.drafter.outcome_sources(request)
-            if not sources:
-                continue
-            outcomes = predict_for(sources, draft, self.calibration, self.config.budget, self.config.levels)
-            plans.append((request, draft, k, outcomes))
+        if self._stop.is_set():
+            return
+        jobs = {request.request_id: (request, draft, k) for request, draft, k in self._jobs}
+        chosen = choose_outcomes(self.drafter, [(request, draft) for request, draft, _ in jobs.values()],
+                                 self.calibration, self.config)
         self.stats.bookkeeping_ns.append(time.perf_counter_ns() - begin)
         # Likeliest outcomes of the whole batch first, so an early stop loses the least.
-        queue = sorted(((o.probability, i, o) for i, (_, _, _, outs) in enumerate(plans) for o in outs),
-                       key=lambda item: -item[0])
-        for _, i, outcome in queue:
+        queue = sorted(((o, rid) for rid, outcomes in chosen.items() for o in outcomes),
+                       key=lambda item: -item[0].probability)
+        for outcome, rid in queue:
             if self._stop.is_set():
                 return
-            request, draft, k, _ = plans[i]
+            request, draft, k = jobs[rid]
             after = draft.tokens[:outcome.accepted] + [outcome.token]
             key = (request.request_id, outcome.accepted, outcome.token)
             self._results[key] = self.drafter.lookup(request, k, after)

@@ -25,7 +25,8 @@ from typing import Any
 from ngramrl.config import DrafterConfig, NgramRLConfig
 from ngramrl.core.drafter import EMPTY, Draft, MatchState, NgramDrafter, RequestState, advance
 from ngramrl.core.history import RolloutHistory
-from ngramrl.core.outcome import AcceptanceCalibration, allocate, predict_for
+from ngramrl.core.outcome import AcceptanceCalibration
+from ngramrl.core.prefetch import choose_outcomes
 from ngramrl.core.trace import Rollout
 
 logger = logging.getLogger(__name__)
@@ -184,19 +185,12 @@ class DrafterShard:
     def prefetch(self, request_ids: list[str], k: int) -> dict[str, list[tuple[int, int, list[int], list[float]]]]:
         """While the engine verifies: the next drafts of each request's likeliest outcomes."""
         begin = time.perf_counter()
-        budget = self.config.prefetch
-        plans = {}
+        sent = []
         for request_id in request_ids:
             request, draft = self.requests.get(request_id), self.issued.get(request_id)
-            if request is None or draft is None or not draft.tokens or not request.known:
-                continue
-            index = self.drafter.index(request)
-            if index is None:
-                continue
-            self.drafter.catch_up(request, index)
-            plans[request_id] = predict_for(self.drafter.outcome_sources(request), draft, self.calibration,
-                                            budget.budget, budget.levels)
-        chosen = allocate(plans, budget)
+            if request is not None and draft is not None and draft.tokens:
+                sent.append((request, draft))
+        chosen = choose_outcomes(self.drafter, sent, self.calibration, self.config.prefetch)
         out: dict[str, list[tuple[int, int, list[int], list[float]]]] = {}
         for request_id, outcomes in chosen.items():
             request, draft = self.requests[request_id], self.issued[request_id]
