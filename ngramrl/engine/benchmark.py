@@ -131,6 +131,8 @@ class MethodRun:
             drafting = proposer["draft_us_total"] / 1e6
             # Synchronous step time over step time without the drafting cost: what prefetch can win.
             self.out["overlap_ceiling"] = round(self.generating / max(1e-9, self.generating - drafting), 4)
+            # The proposer's time on the critical path per engine step (prefetch moves work off it).
+            self.out["drafting_us_per_step"] = round(proposer["draft_us_total"] / max(1, proposer["steps"]), 1)
         self.engine.close()
         return self.out
 
@@ -209,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     baseline = {r["concurrency"]: r for r in results[0]["runs"]} if results else {}
     print(f"\n{'method':<17} {'conc':>5} {'tok/s':>8} {'x ' + results[0]['method']:>8} {'paired':>7} "
           f"{'tok/fwd':>8} {'acc/draft':>9}")
+    drafting = {r["method"]: r["drafting_us_per_step"] for r in results if "drafting_us_per_step" in r}
+    if drafting:
+        print("proposer time on the critical path per step: "
+              + ", ".join(f"{m} {us:.0f} us" for m, us in drafting.items()))
     for result in results:
         for run in result["runs"]:
             base = baseline.get(run["concurrency"])
