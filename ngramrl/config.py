@@ -79,7 +79,8 @@ class EngineConfig:
 
     adaptive_length: bool = True       # cut drafts where verifying costs more than it saves
     cost_decay: float = 0.98           # forgetting factor of the online step-time fit
-    explore_every: int = 16            # while drafting is off, every n-th step verifies a few tokens (cost probe)
+    explore_every: int = 16            # while drafting is off, every n-th step verifies a few tokens (cost probe),
+    explore_max_every: int = 256       # ... the interval doubling after each probe that finds it still does not pay
     min_gain: float = 0.1              # drafts must raise the expected throughput by this much (estimates err)
     prefetch: str = "auto"             # look up likely next drafts while the forward runs: "on", "off", or
     #                                    "auto": on where the forward leaves CPU cores idle (an accelerator,
@@ -96,6 +97,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.min_gain must be >= 0, got {self.min_gain}")
         if self.explore_every < 1:
             raise ValueError(f"EngineConfig.explore_every must be >= 1, got {self.explore_every}")
+        if self.explore_max_every < self.explore_every:
+            raise ValueError(f"EngineConfig.explore_max_every must be >= explore_every ({self.explore_every}), "
+                             f"got {self.explore_max_every}")
 
 
 @dataclass

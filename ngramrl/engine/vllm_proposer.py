@@ -155,6 +155,11 @@ class NgramRLProposer:
         self._quiet_steps = 0
         self._quiet_until = 0
         self._quiet_rows = 0
+        # Probes (a few tokens verified while drafting is off) also back off: the interval doubles
+        # after each probe that finds drafting still does not pay, up to explore_max_every.
+        self._probe_every = self.config.engine.explore_every
+        self._next_probe = 0
+        self._probes = 0
         self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch,
                                                              *_forward_resources(vllm_config))
         self._setup_drafting()
@@ -253,14 +258,15 @@ class NgramRLProposer:
                 self._delivered[0] += len(sampled) - 1
             room = self.max_model_len - int(num_tokens_no_spec[row]) - 1
             rows.append(Row(row, req_id, request, list(sampled), min(self.k, room)))
+        exploring = self._exploring(self.stats.steps)
         looked = self._looks_up(self.stats.steps, len(rows))
         if not looked:
             for row in rows:  # no draft could pay for its verification now: skip the lookups
                 row.k = 0
         made = self._draft(rows)
-        lengths, expected, paid = self._lengths(made)
+        lengths, expected, paid = self._lengths(made, exploring)
         if looked and self.config.engine.adaptive_length:
-            self._back_off(paid, len(rows))
+            self._back_off(paid, len(rows), exploring)
         self.stats.expected_accepted += expected
         decay = self.config.prefetch.calibration_decay  # recent steps count: acceptance drifts
         self._delivered = [decay * self._delivered[0], decay * self._delivered[1] + expected]
@@ -285,7 +291,7 @@ class NgramRLProposer:
         return drafts
 
     def _exploring(self, step: int) -> bool:
-        return step % self.config.engine.explore_every == 0
+        return self.config.engine.adaptive_length and step >= self._next_probe
 
     def _looks_up(self, step: int, rows: int) -> bool:
         """Whether ``step`` makes lookups: always without the cost model and on probe steps; not
@@ -295,13 +301,15 @@ class NgramRLProposer:
             return True
         if rows < self._quiet_rows:  # a smaller batch makes verifying cheaper: look again
             self._quiet_steps = self._quiet_until = self._quiet_rows = 0
+            self._probe_every = engine.explore_every
+            self._next_probe = min(self._next_probe, step + engine.explore_every)
         return step >= self._quiet_until and self.cost.drafting_can_pay(rows, engine.min_gain)
 
-    def _lengths(self, drafts: list[Draft]) -> tuple[list[int], float, bool]:
+    def _lengths(self, drafts: list[Draft], exploring: bool) -> tuple[list[int], float, bool]:
         """How much of each draft to verify: all of it, or what the step-cost model says pays off.
-        While drafting is off, every ``explore_every``-th step verifies a probe of the batch's few
-        likeliest tokens (1 or 4 in turn), so the fit keeps seeing what verifying costs, and
-        drafting comes back when the batch shrinks or the drafts get better. Also returns the
+        While drafting is off, probe steps (every ``explore_every``-th step, then less often) verify
+        the batch's few likeliest tokens (1 or 4 in turn), so the fit keeps seeing what verifying
+        costs, and drafting comes back when the batch shrinks or the drafts get better. Also returns the
         accepted tokens the calibrated model expects of what is kept, and whether the cost model
         (not a probe) kept any token."""
         engine = self.config.engine
@@ -318,16 +326,26 @@ class NgramRLProposer:
             chosen = choose_draft_lengths([Survival(d.probs, self.calibration, delivered) for d in drafts],
                                           self.cost, engine.min_gain)
             paid = any(chosen)
-            if self._exploring(self.stats.steps) and not any(chosen):
-                chosen = probe_lengths(survival, PROBE_TOKENS[(self.stats.steps // engine.explore_every) % 2])
+            if exploring and not any(chosen):
+                chosen = probe_lengths(survival, PROBE_TOKENS[self._probes % 2])
+                self._probes += 1
         return chosen, sum(sum(s[:n]) for s, n in zip(survival, chosen, strict=True)), paid
 
-    def _back_off(self, kept: bool, rows: int) -> None:
-        """A lookup step kept some draft tokens (look up every step) or none (look less often)."""
+    def _back_off(self, kept: bool, rows: int, exploring: bool) -> None:
+        """A lookup step kept some draft tokens (look up every step, probe at the shortest
+        interval) or none (look up, and probe, less often)."""
+        engine = self.config.engine
+        step = self.stats.steps
         if kept:
             self._quiet_steps = self._quiet_until = self._quiet_rows = 0
+            self._probe_every = engine.explore_every
+            self._next_probe = min(self._next_probe, step + engine.explore_every) if not exploring \
+                else step + engine.explore_every
             return
-        self._quiet_steps = min(self.config.engine.explore_every, 2 * self._quiet_steps + 1)
+        if exploring:
+            self._next_probe = step + self._probe_every
+            self._probe_every = min(engine.explore_max_every, 2 * self._probe_every)
+        self._quiet_steps = min(engine.explore_every, 2 * self._quiet_steps + 1)
         self._quiet_until = self.stats.steps + 1 + self._quiet_steps
         self._quiet_rows = rows
 

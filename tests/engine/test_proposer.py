@@ -75,7 +75,7 @@ def step(proposer, runner, tokens):
 def lookup_steps(proposer, runner, looked_up, steps, rows):
     before = set(looked_up)
     for s in range(steps):
-        step(proposer, runner, [(7 * s + r) % 50 + 100 for r in range(rows)])
+        step(proposer, runner, [1000 + 4 * proposer.stats.steps + r for r in range(rows)])  # never repeats
     return sorted({s for s in looked_up if s not in before})
 
 
@@ -84,18 +84,35 @@ def test_lookups_back_off_while_the_cost_model_keeps_nothing(monkeypatch):
     proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.001, 0.0))
     for r in range(4):
         runner.add(f"r{r}", f"unseen{r}", [1, 40 + r, 41 + r])
-    steps = lookup_steps(proposer, runner, looked_up, 50, 4)
-    # after the n-th empty lookup step in a row, 2^n - 1 steps make none (at most 16); probes every 16th step
-    assert steps == [0, 2, 6, 14, 16, 32, 48]
+    steps = lookup_steps(proposer, runner, looked_up, 300, 4)
+    # After the n-th empty lookup step in a row, 2^n - 1 steps make none (at most 16); probe steps
+    # (0, 16, 48, 112, 240: the interval doubles from 16) always look up.
+    assert steps == [0, 2, 6, 14, 16, 33, 48, 65, 82, 99, 112, 129, 146, 163, 180, 197, 214, 231, 240, 257, 274,
+                     291]
 
 
 def test_a_smaller_batch_looks_again_at_once(monkeypatch):
     proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.001, 0.0))
     for r in range(4):
         runner.add(f"r{r}", f"unseen{r}", [1, 40 + r, 41 + r])
-    lookup_steps(proposer, runner, looked_up, 20, 4)  # backed off: the next lookup would be at step 32
+    lookup_steps(proposer, runner, looked_up, 60, 4)  # backed off: the next lookup would be at step 65
     runner.remove("r3")
-    assert lookup_steps(proposer, runner, looked_up, 1, 3) == [20]
+    assert lookup_steps(proposer, runner, looked_up, 3, 3) == [60, 62]  # the back-off starts over
+
+
+def test_probes_back_off_while_drafting_does_not_pay(monkeypatch):
+    # Drafts exist, but verifying at all costs more than any draft can save: only probes verify,
+    # 1 or 4 tokens in turn, at intervals doubling from explore_every.
+    proposer, runner, _ = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.01, 0.3))
+    pattern = [100, 101, 102, 103, 104, 105]
+    proposer.history.add_rollout("p", [1, 2, 3], pattern * 100, epoch=0)
+    runner.add("r0", "p", [1, 2, 3])
+    verified = {}
+    for s in range(300):
+        draft = step(proposer, runner, [pattern[s % 6]])[0]
+        if draft:
+            verified[s] = len(draft)
+    assert verified == {0: 1, 16: 4, 48: 1, 112: 4, 240: 1}
 
 
 def test_drafts_that_pay_are_looked_up_every_step(monkeypatch):
