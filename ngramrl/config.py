@@ -82,12 +82,12 @@ class EngineConfig:
     explore_every: int = 16            # while drafting is off, every n-th step verifies a few tokens (cost probe),
     explore_max_every: int = 256       # ... the interval doubling after each probe that finds it still does not pay
     min_gain: float = 0.1              # drafts must raise the expected throughput by this much (estimates err)
-    prefetch: str = "auto"             # look up likely next drafts while the forward runs: "on", "off", or
+    prefetch: str | bool = "auto"      # look up likely next drafts while the forward runs: "on", "off", or
     #                                    "auto": on where the forward leaves CPU cores idle (an accelerator,
     #                                    or spare cores); off where it runs on every core (it would slow it)
 
     def __post_init__(self) -> None:
-        if isinstance(self.prefetch, bool):  # older configs: true / false
+        if isinstance(self.prefetch, bool):  # true / false (older configs; YAML reads a bare on / off so)
             self.prefetch = "on" if self.prefetch else "off"
         if self.prefetch not in PREFETCH_MODES:
             raise ValueError(f"EngineConfig.prefetch must be one of {PREFETCH_MODES}, got {self.prefetch!r}")

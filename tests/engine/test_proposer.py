@@ -74,7 +74,7 @@ def step(proposer, runner, tokens):
 
 def lookup_steps(proposer, runner, looked_up, steps, rows):
     before = set(looked_up)
-    for s in range(steps):
+    for _ in range(steps):
         step(proposer, runner, [1000 + 4 * proposer.stats.steps + r for r in range(rows)])  # never repeats
     return sorted({s for s in looked_up if s not in before})
 

@@ -71,7 +71,7 @@ def test_openrlhf_engines_draft_from_the_pool(ray_with_gpu_token, tiny_model_dir
                                          draft_timeout_ms=200))
     # Whole drafts: this test is about the integration's plumbing. On a tiny CPU model the step-cost
     # model may rightly turn drafting off for a while (tested in tests/core/test_cost.py).
-    integration.config.engine = EngineConfig(adaptive_length=False)
+    integration.config.engine = EngineConfig(adaptive_length=False, prefetch="on")
     try:
         engine, = create()
         with_ngramrl = generate_epochs(ray, engine, tokenizer)

@@ -34,7 +34,7 @@ def run_config(model_dir, out, *overrides):
         "tracking.wandb=offline", "tracking.progress=false",
         # Whole drafts: these tests are about the pipeline's plumbing (the step-cost model that cuts
         # drafts on slow hardware is tested in tests/core/test_cost.py and measured in the benchmark).
-        "ngramrl.engine.adaptive_length=false", *overrides])
+        "ngramrl.engine.adaptive_length=false", "ngramrl.engine.prefetch=on", *overrides])
 
 
 @pytest.fixture(scope="module")
