@@ -151,7 +151,7 @@ class NgramRLProposer:
         self._last_batch: tuple[str, ...] = ()
         # Lookups back off while the cost model keeps nothing: after the n-th lookup step in a
         # row that kept no token, the next 2^n - 1 steps (at most explore_every) make none; a
-        # step that keeps tokens, or a smaller batch, ends it.
+        # step that keeps tokens, or a batch half the size, ends it.
         self._quiet_steps = 0
         self._quiet_until = 0
         self._quiet_rows = 0
@@ -299,7 +299,8 @@ class NgramRLProposer:
         engine = self.config.engine
         if not engine.adaptive_length or self._exploring(step):
             return True
-        if rows < self._quiet_rows:  # a smaller batch makes verifying cheaper: look again
+        if rows <= self._quiet_rows // 2:  # a much smaller batch makes verifying cheaper: look again
+            # (not every finished request: a batch drains one by one at the end of a generate call)
             self._quiet_steps = self._quiet_until = self._quiet_rows = 0
             self._probe_every = engine.explore_every
             self._next_probe = min(self._next_probe, step + engine.explore_every)

@@ -91,13 +91,15 @@ def test_lookups_back_off_while_the_cost_model_keeps_nothing(monkeypatch):
                      291]
 
 
-def test_a_smaller_batch_looks_again_at_once(monkeypatch):
+def test_a_batch_half_the_size_looks_again_at_once(monkeypatch):
     proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.001, 0.0))
     for r in range(4):
         runner.add(f"r{r}", f"unseen{r}", [1, 40 + r, 41 + r])
     lookup_steps(proposer, runner, looked_up, 60, 4)  # backed off: the next lookup would be at step 65
-    runner.remove("r3")
-    assert lookup_steps(proposer, runner, looked_up, 3, 3) == [60, 62]  # the back-off starts over
+    runner.remove("r3")  # one request fewer (a batch drains like this): still backed off
+    assert lookup_steps(proposer, runner, looked_up, 3, 3) == []
+    runner.remove("r2")  # half the batch: look again, the back-off starts over
+    assert lookup_steps(proposer, runner, looked_up, 3, 2) == [63, 65]
 
 
 def test_probes_back_off_while_drafting_does_not_pay(monkeypatch):
