@@ -258,6 +258,9 @@ class NgramRLProposer:
                 self._delivered[0] += len(sampled) - 1
             room = self.max_model_len - int(num_tokens_no_spec[row]) - 1
             rows.append(Row(row, req_id, request, list(sampled), min(self.k, room)))
+        if len(rows) <= self._quiet_rows // 2:  # a much smaller batch makes verifying cheaper: look again
+            # (not at every finished request: a batch drains one by one at the end of a generate call)
+            self._restart_back_off(self.stats.steps)
         exploring = self._exploring(self.stats.steps)
         looked = self._looks_up(self.stats.steps, len(rows))
         if not looked:
@@ -299,11 +302,6 @@ class NgramRLProposer:
         engine = self.config.engine
         if not engine.adaptive_length or self._exploring(step):
             return True
-        if rows <= self._quiet_rows // 2:  # a much smaller batch makes verifying cheaper: look again
-            # (not every finished request: a batch drains one by one at the end of a generate call)
-            self._quiet_steps = self._quiet_until = self._quiet_rows = 0
-            self._probe_every = engine.explore_every
-            self._next_probe = min(self._next_probe, step + engine.explore_every)
         return step >= self._quiet_until and self.cost.drafting_can_pay(rows, engine.min_gain)
 
     def _lengths(self, drafts: list[Draft], exploring: bool) -> tuple[list[int], float, bool]:
@@ -338,10 +336,9 @@ class NgramRLProposer:
         engine = self.config.engine
         step = self.stats.steps
         if kept:
-            self._quiet_steps = self._quiet_until = self._quiet_rows = 0
-            self._probe_every = engine.explore_every
-            self._next_probe = min(self._next_probe, step + engine.explore_every) if not exploring \
-                else step + engine.explore_every
+            if exploring:  # this probe is spent: the next one within explore_every steps
+                self._next_probe = step + engine.explore_every
+            self._restart_back_off(step)
             return
         if exploring:
             self._next_probe = step + self._probe_every
@@ -349,6 +346,12 @@ class NgramRLProposer:
         self._quiet_steps = min(engine.explore_every, 2 * self._quiet_steps + 1)
         self._quiet_until = self.stats.steps + 1 + self._quiet_steps
         self._quiet_rows = rows
+
+    def _restart_back_off(self, step: int) -> None:
+        """Look up from the next step on, and probe within explore_every steps."""
+        self._quiet_steps = self._quiet_until = self._quiet_rows = 0
+        self._probe_every = self.config.engine.explore_every
+        self._next_probe = min(self._next_probe, step + self._probe_every)
 
     def _admit(self, req_id: str, cached: Any, sampled: list[int]) -> None:
         """First sight of a request: start it as a live sequence of its prompt."""
