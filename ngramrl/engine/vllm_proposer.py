@@ -211,9 +211,13 @@ class NgramRLProposer:
         to the index and looks up the next drafts of the likeliest outcomes."""
         if self.prefetch is None:
             return
-        prefetch = self.config.prefetch.budget > 0 and self._looks_up(self.stats.steps + 1, len(rows))
+        prefetch = self._prefetches_next(len(rows))
         self.prefetch.dispatch([(row.request, draft, self.k) for row, draft in zip(rows, drafts, strict=True)
                                 if row.k > 0 and prefetch], absorb=[row.request for row in rows])
+
+    def _prefetches_next(self, rows: int) -> bool:
+        """Whether next drafts are worth prefetching now: the next step will look them up."""
+        return self.config.prefetch.budget > 0 and self._looks_up(self.stats.steps + 1, rows)
 
     def _backend_stats(self) -> dict[str, Any]:
         return {"prompts": len(self.history)}

@@ -220,8 +220,7 @@ class PoolProposer(NgramRLProposer):
             request.verified = len(draft.tokens)
             if draft.tokens and self.handles[request.shard] is not None:
                 by_shard.setdefault(request.shard, []).append(request.req_id)
-        if not (self.prefetching and self.config.prefetch.budget > 0
-                and self._looks_up(self.stats.steps + 1, len(rows))):
+        if not (self.prefetching and self._prefetches_next(len(rows))):
             return
         for shard, req_ids in by_shard.items():
             handle = self.handles[shard]
