@@ -21,10 +21,27 @@ import time
 
 from ngramrl.config import DrafterConfig, EngineConfig, NgramRLConfig
 
-METHODS = ("none", "none-sync", "ngram", "suffix", "ngramrl", "ngramrl-prefetch", "ngramrl-prefetch-on")
+METHODS = ("none", "none-sync", "spec-floor", "ngram", "suffix", "ngramrl", "ngramrl-prefetch", "ngramrl-prefetch-on")
 # ngramrl's prefetch setting per arm: synchronous; the default ("auto": on only where the forward
 # leaves a core idle); forced on (what prefetching costs where it does not)
 PREFETCH = {"ngramrl": "off", "ngramrl-prefetch": "auto", "ngramrl-prefetch-on": "on"}
+NO_DRAFT = "ngramrl.engine.benchmark.NoDraftProposer"
+
+
+class NoDraftProposer:
+    """A vLLM ``custom_class`` proposer that never drafts. Its arm ("spec-floor") runs the engine in
+    speculative mode (synchronous scheduling, the per-step round trip for drafts, the speculative
+    sampler path) with nothing to verify: what vLLM's speculative mode costs by itself, the floor
+    under any proposer at batch sizes where no draft pays."""
+
+    def __init__(self, vllm_config: object) -> None:
+        pass
+
+    def load_model(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def propose(self, sampled_token_ids: list[list[int]], *args: object, **kwargs: object) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]
 
 
 def _prompts(workload: str, count: int, model_dir: str, spider_dir: str | None):
@@ -51,8 +68,10 @@ class MethodRun:
 
         self.method, self.args, self.stats_path = method, args, stats_path
         os.environ["NGRAMRL_STATS_FILE"] = stats_path  # read by this engine's process when it starts
-        config = RolloutEngineConfig(model=model_dir, draft=method.split("-")[0], num_speculative_tokens=args.k,
-                                     max_model_len=args.max_model_len, seed=0,
+        floor = method == "spec-floor"
+        config = RolloutEngineConfig(model=model_dir, draft="ngramrl" if floor else method.split("-")[0],
+                                     num_speculative_tokens=args.k, max_model_len=args.max_model_len, seed=0,
+                                     **({"proposer": NO_DRAFT} if floor else {}),
                                      ngramrl=NgramRLConfig(drafter=DrafterConfig(min_confidence=args.min_confidence),
                                                            engine=EngineConfig(adaptive_length=not args.fixed_k,
                                                                                prefetch=PREFETCH.get(method, "off"))),
@@ -185,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--fixed-k", action="store_true", help="ngramrl without the step-cost model")
     parser.add_argument("--min-confidence", type=float, default=0.0,
-                        help="ngramrl drafts stop below this estimated chance (1.0: never draft, which "
-                             "measures what vLLM's speculative mode costs by itself)")
+                        help="ngramrl drafts stop below this estimated chance (1.0: lookups that never "
+                             "draft; the spec-floor arm is vLLM's speculative mode with no proposer work)")
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -209,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         order = {m: i for i, m in enumerate(METHODS)}
         results.sort(key=lambda r: order.get(r["method"], len(order)))
     baseline = {r["concurrency"]: r for r in results[0]["runs"]} if results else {}
-    print(f"\n{'method':<17} {'conc':>5} {'tok/s':>8} {'x ' + results[0]['method']:>8} {'paired':>7} "
+    print(f"\n{'method':<17} {'conc':>5} {'tok/s':>8} {'x ' + results[0]['method']:>8} {'paired':>8} "
           f"{'tok/fwd':>8} {'acc/draft':>9}")
     drafting = {r["method"]: r["drafting_us_per_step"] for r in results if "drafting_us_per_step" in r}
     if drafting:
@@ -225,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                 base["repeats_tokens_per_s"], strict=True))
                 run["paired_ratio"] = round(paired, 4)
             print(f"{result['method']:<17} {run['concurrency']:>5} {run['tokens_per_s']:>8.1f} {ratio:>8.2f} "
-                  f"{paired:>7.2f} {run['tokens_per_forward']:>8.3f} {run['mean_accepted_per_draft'] or 0:>9.2f}")
+                  f"{paired:>8.3f} {run['tokens_per_forward']:>8.3f} {run['mean_accepted_per_draft'] or 0:>9.2f}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "results": results}, handle, indent=1)

