@@ -117,6 +117,24 @@ def test_probes_back_off_while_drafting_does_not_pay(monkeypatch):
     assert verified == {0: 1, 16: 4, 48: 1, 112: 4, 240: 1}
 
 
+def test_a_probe_on_which_drafting_pays_brings_the_short_probe_interval_back(monkeypatch):
+    # Probes have backed off to every 64th step (0, 16, 48, 112); at step 112 drafting pays for one
+    # step, so the cost model itself keeps the whole draft. That probe is spent: the next one comes
+    # explore_every steps on (128, not at once and not 64 later), then the intervals double again.
+    stingy, free = FixedCost(0.03, 0.001, 0.01, 0.3), FixedCost(0.03, 0.001, 0.0, 0.0)
+    proposer, runner, _ = make_proposer(monkeypatch, stingy)
+    pattern = [100, 101, 102, 103, 104, 105]
+    proposer.history.add_rollout("p", [1, 2, 3], pattern * 100, epoch=0)
+    runner.add("r0", "p", [1, 2, 3])
+    verified = {}
+    for s in range(250):
+        proposer.cost = free if s == 112 else stingy
+        draft = step(proposer, runner, [pattern[s % 6]])[0]
+        if draft:
+            verified[s] = len(draft)
+    assert verified == {0: 1, 16: 4, 48: 1, 112: 4, 128: 4, 144: 1, 176: 4, 240: 1}
+
+
 def test_drafts_that_pay_are_looked_up_every_step(monkeypatch):
     proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.0, 0.0))
     pattern = [100, 101, 102, 103, 104, 105]
