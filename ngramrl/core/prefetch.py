@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import deque
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -47,7 +48,7 @@ class PrefetchStats:
     dispatched: int = 0
     failed: int = 0
     late: int = 0
-    bookkeeping_ns: list[int] = field(default_factory=list)
+    bookkeeping_ns: deque[int] = field(default_factory=lambda: deque(maxlen=4096))  # recent steps: runs are long
 
     @property
     def coverage(self) -> float:

@@ -194,6 +194,29 @@ def test_background_worker_adds_the_committed_tokens_during_the_forward(monkeypa
     assert made["on"] == made["off"]
 
 
+def test_worker_is_woken_only_before_steps_that_look_up(monkeypatch):
+    """Drafting cannot pay at this batch size: only probe steps look up, and the worker is handed
+    work only on the steps before them. The drafts are those of synchronous drafting."""
+    made = {}
+    for mode in ("off", "on"):
+        proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.05, 0.0), prefetch=mode)
+        proposer.history.add_rollout("p", [1, 2, 3], [100, 101, 102, 103] * 30, epoch=0)
+        for r in range(4):
+            runner.add(f"r{r}", "p", [1, 2, 3])
+        woken = []
+        if proposer.prefetch is not None:
+            def spy(*args, dispatch=proposer.prefetch.dispatch, stats=proposer.stats, woken=woken, **kwargs):
+                woken.append(stats.steps)
+                dispatch(*args, **kwargs)
+
+            proposer.prefetch.dispatch = spy
+        made[mode] = [step(proposer, runner, [100 + (s + r) % 4 for r in range(4)]) for s in range(60)]
+        if mode == "on":
+            assert sorted(set(looked_up)) == [0, 16, 48]  # the probes
+            assert woken == [15, 47]
+    assert made["on"] == made["off"]
+
+
 def test_prefetch_setting_is_checked():
     assert EngineConfig(prefetch=True).prefetch == "on"  # older configs said true / false
     with pytest.raises(ValueError, match="EngineConfig.prefetch"):
