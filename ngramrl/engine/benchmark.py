@@ -64,14 +64,14 @@ class MethodRun:
     """One method's engine, alive for the whole benchmark so that methods can take turns."""
 
     def __init__(self, method: str, args: argparse.Namespace, model_dir: str, stats_path: str) -> None:
-        from ngramrl.engine.rollouts import RolloutEngine, RolloutEngineConfig
+        from ngramrl.engine.rollouts import PROPOSER, RolloutEngine, RolloutEngineConfig
 
         self.method, self.args, self.stats_path = method, args, stats_path
         os.environ["NGRAMRL_STATS_FILE"] = stats_path  # read by this engine's process when it starts
         floor = method == "spec-floor"
         config = RolloutEngineConfig(model=model_dir, draft="ngramrl" if floor else method.split("-")[0],
                                      num_speculative_tokens=args.k, max_model_len=args.max_model_len, seed=0,
-                                     **({"proposer": NO_DRAFT} if floor else {}),
+                                     proposer=NO_DRAFT if floor else PROPOSER,
                                      ngramrl=NgramRLConfig(drafter=DrafterConfig(min_confidence=args.min_confidence),
                                                            engine=EngineConfig(adaptive_length=not args.fixed_k,
                                                                                prefetch=PREFETCH.get(method, "off"))),
