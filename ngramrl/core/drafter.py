@@ -125,6 +125,20 @@ class NgramDrafter:
         if request.global_index is not None:
             request.global_behind.extend(tokens)
 
+    def defer(self, request: RequestState, tokens: list[int]) -> None:
+        """Tokens committed in a step that makes no lookup: kept but not indexed yet. The next
+        ``commit`` or ``absorb`` (before a lookup, or when the request finishes) indexes them in
+        one go. Where drafting does not pay (large batches on CPUs) lookups are rare, and inserting
+        a backlog at once costs a fraction of inserting each token after every forward, when the
+        automaton has left the caches."""
+        request.output.extend(tokens)
+        if not request.known:
+            return
+        request.pending.extend(tokens)
+        request.behind.extend(tokens)
+        if request.global_index is not None:
+            request.global_behind.extend(tokens)
+
     def catch_up(self, request: RequestState, index: SuffixAutomaton | None = None) -> None:
         """Step the match states over the tokens committed since they were last needed (a lookup
         does this itself; the outcome model reads the states as they are)."""

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 
 from ngramrl.config import DrafterConfig, EngineConfig, NgramRLConfig
@@ -63,11 +62,11 @@ def _prompts(workload: str, count: int, model_dir: str, spider_dir: str | None):
 class MethodRun:
     """One method's engine, alive for the whole benchmark so that methods can take turns."""
 
-    def __init__(self, method: str, args: argparse.Namespace, model_dir: str, stats_path: str) -> None:
+    def __init__(self, method: str, args: argparse.Namespace, model_dir: str) -> None:
         from ngramrl.engine.rollouts import PROPOSER, RolloutEngine, RolloutEngineConfig
+        from ngramrl.engine.worker_extension import EXTENSION
 
-        self.method, self.args, self.stats_path = method, args, stats_path
-        os.environ["NGRAMRL_STATS_FILE"] = stats_path  # read by this engine's process when it starts
+        self.method, self.args = method, args
         floor = method == "spec-floor"
         config = RolloutEngineConfig(model=model_dir, draft="ngramrl" if floor else method.split("-")[0],
                                      num_speculative_tokens=args.k, max_model_len=args.max_model_len, seed=0,
@@ -76,6 +75,7 @@ class MethodRun:
                                                            engine=EngineConfig(adaptive_length=not args.fixed_k,
                                                                                prefetch=PREFETCH.get(method, "off"))),
                                      engine_args={"max_num_seqs": max(args.concurrency),
+                                                  "worker_extension_cls": EXTENSION,  # the proposer's counters
                                                   # vLLM turns async scheduling off for every n-gram-style
                                                   # drafter; "none-sync" isolates what that alone costs.
                                                   **({"async_scheduling": False} if method == "none-sync" else {})})
@@ -95,7 +95,7 @@ class MethodRun:
     def timed(self, prompts, concurrency: int, epoch: int) -> dict:
         """Generate every prompt's samples with ``concurrency`` requests in flight; time it."""
         args = self.args
-        before, proposer_before = self.engine.spec_decode_metrics(), _proposer_stats(self.stats_path)
+        before, proposer_before = self.engine.spec_decode_metrics(), self.proposer_stats()
         tokens, seconds = 0, 0.0
         # Requests in flight at once = concurrency: groups of whole prompts (n samples each), or
         # single samples for concurrency below n.
@@ -118,7 +118,7 @@ class MethodRun:
         run = {"concurrency": concurrency, "epoch": epoch, "tokens": tokens, "seconds": round(seconds, 3),
                "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
                "accepted": accepted, "drafts": drafts, "draft_tokens": drafted}
-        proposer_after = _proposer_stats(self.stats_path)
+        proposer_after = self.proposer_stats()
         if proposer_after:  # what the proposer expected of its verified drafts, and what it chose
             delta = {key: round(proposer_after[key] - proposer_before.get(key, 0), 2) for key in
                      ("drafted_tokens", "cut_tokens", "accepted_tokens", "expected_accepted", "steps", "row_steps")
@@ -127,6 +127,11 @@ class MethodRun:
                                 for name in ("base", "per_request", "per_token", "per_verify")}
             run["proposer"] = delta
         return run
+
+    def proposer_stats(self) -> dict:
+        """The engine-process proposer's counters, asked for over vLLM's RPC (nothing is written
+        during generation, so the arms are timed doing only what users' engines do)."""
+        return self.engine.llm.collective_rpc("ngramrl_stats")[0] or {}
 
     def finish(self, phases: list[dict]) -> dict:
         """Phases at one concurrency pooled into one run each; the engine is shut down."""
@@ -144,7 +149,7 @@ class MethodRun:
                 "tokens_per_forward": round(tokens / max(1, tokens - accepted), 3),
                 "proposer": [p["proposer"] for p in mine if "proposer" in p] or None,
             })
-        proposer = _proposer_stats(self.stats_path)
+        proposer = self.proposer_stats()
         if proposer:
             self.out["proposer"] = proposer
             drafting = proposer["draft_us_total"] / 1e6
@@ -156,11 +161,11 @@ class MethodRun:
         return self.out
 
 
-def run_interleaved(methods: list[str], args: argparse.Namespace, model_dir: str, prompts, scratch: str) -> list[dict]:
+def run_interleaved(methods: list[str], args: argparse.Namespace, model_dir: str, prompts) -> list[dict]:
     """Every method's engine is started and warmed up; then, at each concurrency, the methods take
     turns (``--repeats`` rounds, the order rotated each round) on the same prompts and seeds, so
     that drift of the machine's speed hits all of them alike."""
-    runs = [MethodRun(m, args, model_dir, os.path.join(scratch, f"{m}.json")) for m in methods]
+    runs = [MethodRun(m, args, model_dir) for m in methods]
     for run in runs:
         run.warm_up(prompts)
     phases: dict[str, list[dict]] = {m: [] for m in methods}
@@ -172,13 +177,6 @@ def run_interleaved(methods: list[str], args: argparse.Namespace, model_dir: str
                 phases[run.method].append(run.timed(prompts, concurrency, epoch))
             epoch += 1
     return [run.finish(phases[run.method]) for run in runs]
-
-
-def _proposer_stats(path: str) -> dict:
-    if not os.path.exists(path):
-        return {}
-    with open(path) as handle:
-        return json.load(handle)
 
 
 def _merge(path: str, results: list[dict]) -> list[dict]:
@@ -219,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = args.model or prepare_smollm2()
     prompts = _prompts(args.workload, args.prompts, model_dir, args.spider_dir)
-    with tempfile.TemporaryDirectory() as scratch:
-        results = run_interleaved(args.methods, args, model_dir, prompts, scratch)
+    results = run_interleaved(args.methods, args, model_dir, prompts)
     for result in results:
         print(json.dumps(result), flush=True)
     if args.json:

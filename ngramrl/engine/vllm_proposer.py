@@ -29,7 +29,6 @@ from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival
 from ngramrl.core.prefetch import BackgroundPrefetch
 
 CONFIG_ENV = "NGRAMRL_CONFIG"
-STATS_ENV = "NGRAMRL_STATS_FILE"  # where the engine-process proposer reports its counters
 PROBE_TOKENS = (1, 4)  # draft tokens verified by the probes while drafting is off, in turn
 
 
@@ -162,6 +161,9 @@ class NgramRLProposer:
         self._probe_every = self.config.engine.explore_every
         self._next_probe = 0
         self._probes = 0
+        # (rows, probe interval) of a batch whose backed-off probes were restarted when it drained:
+        # the interval is resumed when a batch that large comes back (the next generate call).
+        self._resume: tuple[int, int] | None = None
         self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch,
                                                              *_forward_resources(vllm_config))
         self._setup_drafting()
@@ -189,15 +191,22 @@ class NgramRLProposer:
     def _draft(self, rows: list[Row]) -> list[Draft]:
         """Commit each row's sampled tokens and make its next draft (at most ``row.k`` tokens).
         With a background worker the committed tokens enter the index there, during the forward;
-        otherwise right after the row's lookup."""
+        otherwise right after the row's lookup. In a step without lookups (drafting does not pay at
+        this batch size) they wait: the next lookup step, or the request's end, indexes the backlog
+        in one go: the automaton is then in the caches, not flushed by a forward (at 32 requests in
+        flight this took a quarter off the proposer's mean time per step; docs/vllm.md)."""
         drafts = []
         inline = self.prefetch is None
+        if any(row.k > 0 for row in rows):
+            for row in rows:  # first every row's backlog from steps without lookups: siblings see it
+                self.drafter.absorb(row.request)
         for row in rows:
             request = row.request
-            self.drafter.commit(request, row.sampled)  # also adds what the worker had no time for
             if row.k <= 0:
+                self.drafter.defer(request, row.sampled)
                 drafts.append(EMPTY)
                 continue
+            self.drafter.commit(request, row.sampled)  # also adds what the worker had no time for
             ready = self._prefetched.get((row.req_id, len(row.sampled) - 1, row.sampled[-1]))
             if ready is not None:  # the draft the lookup below would make, computed during the forward
                 self.stats.prefetch_hits += 1
@@ -269,7 +278,10 @@ class NgramRLProposer:
             rows.append(Row(row, req_id, request, list(sampled), min(self.k, room)))
         if len(rows) <= self._quiet_rows // 2:  # a much smaller batch makes verifying cheaper: look again
             # (not at every finished request: a batch drains one by one at the end of a generate call)
+            self._remember_probe_interval()
             self._restart_back_off(self.stats.steps)
+        elif self._resume is not None and len(rows) >= self._resume[0]:
+            self._resume_probe_interval(self.stats.steps)
         exploring = self._exploring(self.stats.steps)
         looked = self._looks_up(self.stats.steps, len(rows))
         if not looked:
@@ -363,6 +375,23 @@ class NgramRLProposer:
         self._probe_every = self.config.engine.explore_every
         self._next_probe = min(self._next_probe, step + self._probe_every)
 
+    def _remember_probe_interval(self) -> None:
+        """The batch drained to half: keep how far its probes had backed off, for when it is back."""
+        if self._probe_every > self.config.engine.explore_every and (
+                self._resume is None or self._quiet_rows >= self._resume[0]):
+            self._resume = (self._quiet_rows, self._probe_every)
+
+    def _resume_probe_interval(self, step: int) -> None:
+        """A batch as large as one whose probes had backed off is back (the next generate call): it
+        probes at the interval reached then, not every explore_every steps again. Each generate call
+        ends with a batch draining to one request, which restarts the back-offs on the way down;
+        without this, every call at a batch size where drafting never pays paid for the probes
+        that had already found so. Lookups still resume whenever the step-cost fit (learned at
+        every batch size) says a draft could pay."""
+        _, self._probe_every = self._resume
+        self._next_probe = step + self._probe_every
+        self._resume = None
+
     def _admit(self, req_id: str, cached: Any, sampled: list[int]) -> None:
         """First sight of a request: start it as a live sequence of its prompt."""
         params = getattr(cached, "sampling_params", None) if cached is not None else None
@@ -388,8 +417,6 @@ class NgramRLProposer:
             if request is not None:
                 self._finish(request, epoch)
                 self.stats.finished_rollouts += 1
-        if retired and os.environ.get(STATS_ENV):
-            self.write_stats(os.environ[STATS_ENV])
 
     def stats_dict(self) -> dict[str, Any]:
         """Counters since the engine started (what the rollout metrics are made of)."""
@@ -408,9 +435,3 @@ class NgramRLProposer:
                 "draft_us_total": stats.draft_ns_total / 1000, "step_base_s": base,
                 "step_per_request_s": per_request, "step_per_token_s": per_token,
                 "step_per_verify_s": per_verify, **self._backend_stats()}
-
-    def write_stats(self, path: str) -> None:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as handle:
-            json.dump(self.stats_dict(), handle)
-        os.replace(tmp, path)

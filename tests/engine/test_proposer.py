@@ -135,6 +135,30 @@ def test_a_probe_on_which_drafting_pays_brings_the_short_probe_interval_back(mon
     assert verified == {0: 1, 16: 4, 48: 1, 112: 4, 128: 4, 144: 1, 176: 4, 240: 1}
 
 
+def test_a_batch_that_drains_and_comes_back_resumes_its_probe_interval(monkeypatch):
+    # Four requests, drafting never pays: probes back off to every 256th step (0, 16, 48, 112, 240).
+    # The batch drains to two at step 300 (a generate call ending): probes restart there (316).
+    # Four requests again at step 330 (the next generate call): the next probe is 256 steps on,
+    # not 16 steps on as after a restart (332).
+    proposer, runner, _ = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.01, 0.3))
+    pattern = [100, 101, 102, 103, 104, 105]
+    proposer.history.add_rollout("p", [1, 2, 3], pattern * 100, epoch=0)
+    for r in range(4):
+        runner.add(f"r{r}", "p", [1, 2, 3])
+    probes = []
+    for s in range(600):
+        if s == 300:
+            runner.remove("r2")
+            runner.remove("r3")
+        if s == 330:
+            runner.add("r4", "p", [1, 2, 3])
+            runner.add("r5", "p", [1, 2, 3])
+        drafts = step(proposer, runner, [pattern[s % 6]] * len(runner.input_batch.req_ids))
+        if any(drafts):
+            probes.append(s)
+    assert probes == [0, 16, 48, 112, 240, 316, 586]
+
+
 def test_drafts_that_pay_are_looked_up_every_step(monkeypatch):
     proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.0, 0.0))
     pattern = [100, 101, 102, 103, 104, 105]
@@ -215,6 +239,38 @@ def test_worker_is_woken_only_before_steps_that_look_up(monkeypatch):
             assert sorted(set(looked_up)) == [0, 16, 48]  # the probes
             assert woken == [15, 47]
     assert made["on"] == made["off"]
+
+
+def test_tokens_of_steps_without_lookups_are_indexed_at_once_before_the_next_lookup(monkeypatch):
+    """Drafting cannot pay: only probe steps (0, 16) look up. In between, committed tokens are kept
+    but not indexed; the next lookup step indexes every row's backlog before any row looks up, so
+    each sibling drafts from all the others' tokens; a finished request keeps all of its tokens."""
+    proposer, runner, _ = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.05, 0.0))
+    proposer.history.add_rollout("p", [1, 2, 3], [100, 101, 102, 103] * 30, epoch=0)
+    runner.add("r0", "p", [1, 2, 3])
+    runner.add("r1", "p", [1, 2, 3])
+    index_size_at_lookup = []
+    lookup = proposer.drafter.lookup
+
+    def spy(request, k=None, after=None, at=None):
+        index_size_at_lookup.append((proposer.stats.steps, request.request_id,
+                                     proposer.history.index_of("p").num_tokens))
+        return lookup(request, k, after, at)
+
+    proposer.drafter.lookup = spy
+    sizes = []
+    for s in range(17):
+        step(proposer, runner, [200 + s, 300 + s])
+        sizes.append(proposer.history.index_of("p").num_tokens)
+    assert len(set(sizes[:16])) == 1  # steps 0-15: nothing indexed after step 0's own tokens
+    start = sizes[0] - 2  # the index before any token of these requests
+    # Step 16: row 0 sees both rows' tokens of steps 0-15; row 1 also row 0's token of step 16.
+    assert index_size_at_lookup[-2:] == [(16, "r0", start + 32), (16, "r1", start + 33)]
+    step(proposer, runner, [217, 317])  # a step without lookup: its tokens wait
+    runner.remove("r1")
+    step(proposer, runner, [218])
+    finished = {tuple(tokens) for _, _, rollouts in proposer.history.export() for _, tokens in rollouts}
+    assert tuple(300 + s for s in range(18)) in finished
 
 
 def test_prefetch_setting_is_checked():
