@@ -60,29 +60,47 @@ def _prompts(workload: str, count: int, model_dir: str, spider_dir: str | None):
 
 
 class MethodRun:
-    """One method's engine, alive for the whole benchmark so that methods can take turns."""
+    """One method's engine, alive for the whole benchmark so that methods can take turns (or, with
+    ``--fresh-engines``, a new engine process for every phase, carrying what its proposer learned)."""
 
     def __init__(self, method: str, args: argparse.Namespace, model_dir: str) -> None:
-        from ngramrl.engine.rollouts import PROPOSER, RolloutEngine, RolloutEngineConfig
-        from ngramrl.engine.worker_extension import EXTENSION
+        from ngramrl.engine.rollouts import PROPOSER, RolloutEngineConfig
 
         self.method, self.args = method, args
         floor = method == "spec-floor"
-        config = RolloutEngineConfig(model=model_dir, draft="ngramrl" if floor else method.split("-")[0],
+        self.config = RolloutEngineConfig(model=model_dir, draft="ngramrl" if floor else method.split("-")[0],
                                      num_speculative_tokens=args.k, max_model_len=args.max_model_len, seed=0,
                                      proposer=NO_DRAFT if floor else PROPOSER,
                                      ngramrl=NgramRLConfig(drafter=DrafterConfig(min_confidence=args.min_confidence),
                                                            engine=EngineConfig(adaptive_length=not args.fixed_k,
                                                                                prefetch=PREFETCH.get(method, "off"))),
                                      engine_args={"max_num_seqs": max(args.concurrency),
-                                                  "worker_extension_cls": EXTENSION,  # the proposer's counters
                                                   # vLLM turns async scheduling off for every n-gram-style
                                                   # drafter; "none-sync" isolates what that alone costs.
                                                   **({"async_scheduling": False} if method == "none-sync" else {})})
         started = time.perf_counter()
-        self.engine = RolloutEngine(config)
+        self.engine = self._start()
         self.out: dict = {"method": method, "engine_start_s": round(time.perf_counter() - started, 1), "runs": []}
         self.generating = 0.0  # all generate() time, warm-up included: what the proposer's counters cover
+        self.earlier_engines = {"draft_us_total": 0.0, "steps": 0}  # proposer counters of replaced engines
+
+    def _start(self):
+        from ngramrl.engine.rollouts import RolloutEngine
+
+        return RolloutEngine(self.config)
+
+    def restart(self) -> None:
+        """A new engine process with what this one's proposer learned. An engine process's forward can run some
+        percent faster or slower than another's with the same settings (docs/vllm.md); with one
+        process per arm for all rounds that offset would hit every round of the arm alike."""
+        state = self.engine.export_state()
+        stats = self.proposer_stats()
+        for key in self.earlier_engines:
+            self.earlier_engines[key] += stats.get(key, 0)
+        self.engine.close()
+        self.engine = self._start()
+        if state is not None:
+            self.engine.restore_state(state)
 
     def warm_up(self, prompts) -> None:
         args = self.args
@@ -131,7 +149,7 @@ class MethodRun:
     def proposer_stats(self) -> dict:
         """The engine-process proposer's counters, asked for over vLLM's RPC (nothing is written
         during generation, so the arms are timed doing only what users' engines do)."""
-        return self.engine.llm.collective_rpc("ngramrl_stats")[0] or {}
+        return self.engine.proposer_stats()
 
     def finish(self, phases: list[dict]) -> dict:
         """Phases at one concurrency pooled into one run each; the engine is shut down."""
@@ -151,6 +169,7 @@ class MethodRun:
             })
         proposer = self.proposer_stats()
         if proposer:
+            proposer = {**proposer, **{key: proposer[key] + earlier for key, earlier in self.earlier_engines.items()}}
             self.out["proposer"] = proposer
             drafting = proposer["draft_us_total"] / 1e6
             # Synchronous step time over step time without the drafting cost: what prefetch can win.
@@ -174,6 +193,8 @@ def run_interleaved(methods: list[str], args: argparse.Namespace, model_dir: str
         for repeat in range(args.repeats):
             shift = repeat % len(runs)
             for run in runs[shift:] + runs[:shift]:
+                if args.fresh_engines:
+                    run.restart()
                 phases[run.method].append(run.timed(prompts, concurrency, epoch))
             epoch += 1
     return [run.finish(phases[run.method]) for run in runs]
@@ -209,8 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds per concurrency in which the methods take turns (engines stay up)")
+    parser.add_argument("--fresh-engines", action="store_true",
+                        help="start each method's engine anew before every timed phase, what its proposer "
+                             "learned carried over: engine processes differ in speed; this averages it out")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if args.fresh_engines and "suffix" in args.methods:
+        parser.error("--fresh-engines carries ngramrl's state from engine to engine, not SuffixDecoding's cache "
+                     "(it would start empty every phase): leave out the suffix method")
     # All engines are up at once: a share of a few GiB of KV cache each is plenty for these rollouts.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, 6 // len(args.methods))))
     from ngramrl.data.models import prepare_smollm2

@@ -18,6 +18,7 @@ from typing import Any
 from ngramrl.config import NgramRLConfig
 from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, config_to_env
+from ngramrl.engine.worker_extension import EXTENSION
 
 PROPOSER = "ngramrl.engine.vllm_proposer.NgramRLProposer"
 DRAFT_METHODS = ("none", "ngramrl", "ngram", "suffix")
@@ -83,7 +84,8 @@ class RolloutEngine:
         os.environ[CONFIG_ENV] = config_to_env(config.ngramrl)  # reaches the engine process
         reuse_compiled_model()
         kwargs: dict[str, Any] = dict(model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
-                                      seed=config.seed, disable_log_stats=False)
+                                      seed=config.seed, disable_log_stats=False,
+                                      worker_extension_cls=EXTENSION)  # the proposer's stats and history
         spec = config.speculative_config()
         if spec is not None:
             kwargs["speculative_config"] = spec
@@ -136,6 +138,21 @@ class RolloutEngine:
                                     list(completion.token_ids), "length" if completion.finish_reason == "length"
                                     else "stop"))
         return rollouts
+
+    def proposer_stats(self) -> dict[str, Any]:
+        """The ngramrl proposer's counters in the engine process; empty without one."""
+        return self.llm.collective_rpc("ngramrl_stats")[0] or {}
+
+    def export_state(self) -> dict[str, Any] | None:
+        """What the engine's ngramrl proposer has learned (its rollout history, step-cost fit and
+        acceptance calibration), to start another engine warm with ``restore_state``; None when
+        the engine drafts otherwise."""
+        return self.llm.collective_rpc("ngramrl_export_state")[0]
+
+    def restore_state(self, state: dict[str, Any]) -> int | None:
+        """Give this engine's proposer an exported state (the rollouts count as those of their
+        epochs); returns the prompts it knows, or None when the engine drafts otherwise."""
+        return self.llm.collective_rpc("ngramrl_restore_state", args=(state,))[0]
 
     def close(self) -> None:
         """Shut the engine down (its engine-core process too)."""

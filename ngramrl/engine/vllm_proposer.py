@@ -236,6 +236,28 @@ class NgramRLProposer:
     def _backend_stats(self) -> dict[str, Any]:
         return {"prompts": len(self.history)}
 
+    def export_state(self) -> dict[str, Any] | None:
+        """What this proposer has learned, as plain data: the rollout history it drafts from, the
+        step-cost fit and the acceptance calibration; a new engine given it (``restore_state``)
+        starts warm. None where the history lives elsewhere (the Ray drafter pool)."""
+        cost = self.cost
+        return {"history": self.history.export(),
+                "step_cost": {"xtx": cost._xtx.tolist(), "xty": cost._xty.tolist(), "steps": cost.steps},
+                "calibration": [[*cell, *counts] for cell, counts in self.calibration._table.items()],
+                "delivered": list(self._delivered)}
+
+    def restore_state(self, state: dict[str, Any]) -> int:
+        """Take what ``export_state`` gave (between generate calls); returns the prompts now known."""
+        import numpy as np
+
+        self.history.restore(state["history"])
+        fit = state["step_cost"]
+        self.cost._xtx, self.cost._xty = np.array(fit["xtx"], dtype=float), np.array(fit["xty"], dtype=float)
+        self.cost.steps, self.cost._solved = int(fit["steps"]), None
+        self.calibration._table = {(int(b), int(d)): [float(a), float(t)] for b, d, a, t in state["calibration"]}
+        self._delivered = [float(v) for v in state["delivered"]]
+        return len(self.history)
+
     def bind_runner(self, runner: Any) -> None:
         self.runner = runner
 

@@ -16,6 +16,16 @@ class NgramRLWorkerExtension:
         drafter = getattr(self.model_runner, "drafter", None)
         return drafter.stats_dict() if hasattr(drafter, "stats_dict") else None
 
+    def ngramrl_export_state(self) -> dict[str, Any] | None:
+        """What the proposer has learned (``NgramRLProposer.export_state``), or None."""
+        drafter = getattr(self.model_runner, "drafter", None)
+        return drafter.export_state() if hasattr(drafter, "export_state") else None
+
+    def ngramrl_restore_state(self, state: dict[str, Any]) -> int | None:
+        """Give the proposer an exported state; returns the prompts it knows, or None without one."""
+        drafter = getattr(self.model_runner, "drafter", None)
+        return drafter.restore_state(state) if hasattr(drafter, "restore_state") else None
+
     def ngramrl_new_batch(self) -> None:
         """A new generate call starts: the proposer may refresh what it knows (e.g. restarted shards)."""
         drafter = getattr(self.model_runner, "drafter", None)

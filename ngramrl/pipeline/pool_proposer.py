@@ -82,6 +82,12 @@ class PoolProposer(NgramRLProposer):
 
     # -- shards -----------------------------------------------------------------------------
 
+    def export_state(self) -> dict | None:
+        return None  # the shards hold the history, and snapshot it themselves (DrafterPool.snapshot)
+
+    def restore_state(self, state: dict) -> int:
+        raise NotImplementedError("the drafter pool's history is restored by DrafterPool.restore")
+
     def new_batch(self) -> None:
         """Between generate calls the pool may have restarted shards: look for them again now."""
         self.retry_at = [0.0] * len(self.retry_at)

@@ -273,6 +273,38 @@ def test_tokens_of_steps_without_lookups_are_indexed_at_once_before_the_next_loo
     assert tuple(300 + s for s in range(18)) in finished
 
 
+def test_a_new_proposer_given_the_exported_state_drafts_and_decides_as_the_old_one(monkeypatch):
+    """What a proposer learned (history, step-cost fit, acceptance calibration) crosses to a new
+    engine as plain data (it travels over vLLM's RPC) and comes out the same there."""
+    import json
+
+    old, old_runner, _ = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.0, 0.0))
+    pattern = [100, 101, 102, 103, 104, 105]
+    old.history.add_rollout("p", [1, 2, 3], pattern * 10 + [7, 8], epoch=0)
+    old_runner.add("r0", "p", [1, 2, 3])
+    for s in range(40):  # drafts verified and followed: the calibration learns
+        step(old, old_runner, [pattern[s % 6] if s % 7 else 9])
+    old_runner.remove("r0")
+    step(old, old_runner, [])  # r0 retires: its output becomes a rollout of epoch 0
+    old.cost = StepCostModel()
+    for requests, tokens, seconds in ((4, 0, 0.05), (8, 0, 0.07), (8, 12, 0.11), (2, 3, 0.04), (4, 8, 0.08)):
+        old.cost.observe(requests, tokens, seconds)
+    state = json.loads(json.dumps(old.export_state()))
+
+    new, new_runner, _ = make_proposer(monkeypatch, StepCostModel())
+    assert new.restore_state(state) == 1
+    assert new.history.export() == old.history.export()
+    assert new.cost.coefficients == pytest.approx(old.cost.coefficients)
+    assert old.calibration._table  # something was learned
+    cells = [(position, estimate / 10) for position in range(8) for estimate in range(10)]
+    assert [new.calibration.chance(*c) for c in cells] == [old.calibration.chance(*c) for c in cells]
+    old._restart_back_off(old.stats.steps)  # not carried: a new engine looks up from its first step
+    for proposer, runner in ((old, old_runner), (new, new_runner)):
+        proposer.cost = FixedCost(0.03, 0.001, 0.0, 0.0)
+        runner.add("r1", "p", [1, 2, 3])
+    assert step(new, new_runner, [100]) == step(old, old_runner, [100]) != [[]]
+
+
 def test_prefetch_setting_is_checked():
     assert EngineConfig(prefetch=True).prefetch == "on"  # older configs said true / false
     with pytest.raises(ValueError, match="EngineConfig.prefetch"):
