@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +68,16 @@ class StepCostModel:
     def step_time(self, requests: int, draft_tokens: int) -> float:
         base, per_request, per_token, per_verify = self.coefficients
         return base + per_request * requests + per_token * draft_tokens + per_verify * (draft_tokens > 0)
+
+    def state(self) -> dict[str, Any]:
+        """The fit as plain data (to carry it to a new engine; ``load_state`` takes it back)."""
+        return {"xtx": self._xtx.tolist(), "xty": self._xty.tolist(), "steps": self.steps}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._xtx = np.array(state["xtx"], dtype=float).reshape(FEATURES, FEATURES)
+        self._xty = np.array(state["xty"], dtype=float).reshape(FEATURES)
+        self.steps = int(state["steps"])
+        self._solved = None
 
     def drafting_can_pay(self, requests: int, min_gain: float = 0.0) -> bool:
         """Whether any drafts could raise throughput at this batch size: even tokens certain to be

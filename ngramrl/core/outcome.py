@@ -51,6 +51,14 @@ class AcceptanceCalibration:
         self.decay = decay  # per observation of a cell: acceptance drifts as the history warms and the policy moves
         self._table: dict[tuple[int, int], list[float]] = {}
 
+    def state(self) -> list[list[float]]:
+        """The table as plain data: [position bucket, estimate decile, accepted, trials] per cell."""
+        return [[*cell, *counts] for cell, counts in self._table.items()]
+
+    def load_state(self, state: list[list[float]]) -> None:
+        self._table = {(int(bucket), int(decile)): [float(accepted), float(trials)]
+                       for bucket, decile, accepted, trials in state}
+
     def chance(self, position: int, estimate: float) -> float:
         cell = self._table.get((_position_bucket(position), min(9, int(estimate * 10))))
         if cell is None:

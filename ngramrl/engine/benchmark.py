@@ -90,11 +90,12 @@ class MethodRun:
         return RolloutEngine(self.config)
 
     def restart(self) -> None:
-        """A new engine process with what this one's proposer learned. An engine process's forward can run some
-        percent faster or slower than another's with the same settings (docs/vllm.md); with one
-        process per arm for all rounds that offset would hit every round of the arm alike."""
+        """A new engine process with what this one's proposer learned. An engine process's forward
+        can run some percent faster or slower than another's with the same settings (docs/vllm.md);
+        with one process per arm for all rounds that offset would hit every round of the arm alike.
+        The counters come over vLLM's RPC, so nothing is written during generation."""
         state = self.engine.export_state()
-        stats = self.proposer_stats()
+        stats = self.engine.proposer_stats()
         for key in self.earlier_engines:
             self.earlier_engines[key] += stats.get(key, 0)
         self.engine.close()
@@ -113,7 +114,7 @@ class MethodRun:
     def timed(self, prompts, concurrency: int, epoch: int) -> dict:
         """Generate every prompt's samples with ``concurrency`` requests in flight; time it."""
         args = self.args
-        before, proposer_before = self.engine.spec_decode_metrics(), self.proposer_stats()
+        before, proposer_before = self.engine.spec_decode_metrics(), self.engine.proposer_stats()
         tokens, seconds = 0, 0.0
         # Requests in flight at once = concurrency: groups of whole prompts (n samples each), or
         # single samples for concurrency below n.
@@ -136,7 +137,7 @@ class MethodRun:
         run = {"concurrency": concurrency, "epoch": epoch, "tokens": tokens, "seconds": round(seconds, 3),
                "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
                "accepted": accepted, "drafts": drafts, "draft_tokens": drafted}
-        proposer_after = self.proposer_stats()
+        proposer_after = self.engine.proposer_stats()
         if proposer_after:  # what the proposer expected of its verified drafts, and what it chose
             delta = {key: round(proposer_after[key] - proposer_before.get(key, 0), 2) for key in
                      ("drafted_tokens", "cut_tokens", "accepted_tokens", "expected_accepted", "steps", "row_steps")
@@ -145,11 +146,6 @@ class MethodRun:
                                 for name in ("base", "per_request", "per_token", "per_verify")}
             run["proposer"] = delta
         return run
-
-    def proposer_stats(self) -> dict:
-        """The engine-process proposer's counters, asked for over vLLM's RPC (nothing is written
-        during generation, so the arms are timed doing only what users' engines do)."""
-        return self.engine.proposer_stats()
 
     def finish(self, phases: list[dict]) -> dict:
         """Phases at one concurrency pooled into one run each; the engine is shut down."""
@@ -167,7 +163,7 @@ class MethodRun:
                 "tokens_per_forward": round(tokens / max(1, tokens - accepted), 3),
                 "proposer": [p["proposer"] for p in mine if "proposer" in p] or None,
             })
-        proposer = self.proposer_stats()
+        proposer = self.engine.proposer_stats()
         if proposer:
             proposer = {**proposer, **{key: proposer[key] + earlier for key, earlier in self.earlier_engines.items()}}
             self.out["proposer"] = proposer

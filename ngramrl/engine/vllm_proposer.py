@@ -240,21 +240,14 @@ class NgramRLProposer:
         """What this proposer has learned, as plain data: the rollout history it drafts from, the
         step-cost fit and the acceptance calibration; a new engine given it (``restore_state``)
         starts warm. None where the history lives elsewhere (the Ray drafter pool)."""
-        cost = self.cost
-        return {"history": self.history.export(),
-                "step_cost": {"xtx": cost._xtx.tolist(), "xty": cost._xty.tolist(), "steps": cost.steps},
-                "calibration": [[*cell, *counts] for cell, counts in self.calibration._table.items()],
-                "delivered": list(self._delivered)}
+        return {"history": self.history.export(), "step_cost": self.cost.state(),
+                "calibration": self.calibration.state(), "delivered": list(self._delivered)}
 
     def restore_state(self, state: dict[str, Any]) -> int:
         """Take what ``export_state`` gave (between generate calls); returns the prompts now known."""
-        import numpy as np
-
         self.history.restore(state["history"])
-        fit = state["step_cost"]
-        self.cost._xtx, self.cost._xty = np.array(fit["xtx"], dtype=float), np.array(fit["xty"], dtype=float)
-        self.cost.steps, self.cost._solved = int(fit["steps"]), None
-        self.calibration._table = {(int(b), int(d)): [float(a), float(t)] for b, d, a, t in state["calibration"]}
+        self.cost.load_state(state["step_cost"])
+        self.calibration.load_state(state["calibration"])
         self._delivered = [float(v) for v in state["delivered"]]
         return len(self.history)
 

@@ -9,7 +9,6 @@ from typing import Any
 from ngramrl.config import NgramRLConfig
 from ngramrl.core.trace import Rollout
 from ngramrl.engine.rollouts import PROPOSER, PromptSpec, RolloutEngine, RolloutEngineConfig
-from ngramrl.engine.worker_extension import EXTENSION
 from ngramrl.pipeline.config import RolloutSection
 from ngramrl.pipeline.metrics import counters, delta
 from ngramrl.pipeline.pool import PoolSettings
@@ -25,7 +24,7 @@ class RolloutWorker:
             os.environ[POOL_ENV] = pool.to_json()
         self.index = index
         self.rollout = rollout
-        engine_args = {"enforce_eager": True, "worker_extension_cls": EXTENSION, **rollout.engine_args}
+        engine_args = {"enforce_eager": True, **rollout.engine_args}  # RolloutEngine adds the worker extension
         self.engine = RolloutEngine(RolloutEngineConfig(
             model=model_dir, draft=rollout.draft, num_speculative_tokens=rollout.num_speculative_tokens,
             max_model_len=rollout.max_model_len, dtype=dtype, seed=seed + index,
@@ -34,7 +33,7 @@ class RolloutWorker:
         self._last_spec = self.engine.spec_decode_metrics()
 
     def _counters(self) -> dict[str, float]:
-        return counters(self.engine.llm.collective_rpc("ngramrl_stats")[0])
+        return counters(self.engine.proposer_stats())
 
     def generate(self, prompts: list[PromptSpec], n: int, epoch: dict[str, int], seed: int | None) -> dict[str, Any]:
         """Sample ``n`` rollouts of each prompt; returns them with this call's engine metrics."""
