@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ngramrl.config import EngineConfig, NgramRLConfig
-from ngramrl.core.cost import StepCostModel
+from ngramrl.core.cost import FixedStepCost
 from ngramrl.core.trace import read_trace
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, config_to_env
 
@@ -32,21 +32,6 @@ REGIMES = {  # (base, per request, per verified token, per verifying step), seco
     "cpu": (9.2e-05, 0.00294, 0.00225, 3.4e-05),
     "gpu": (0.02, 0.0002, 0.00001, 0.0),
 }
-
-
-class FixedCost(StepCostModel):
-    """A step-cost fit that stays as given: what is timed is the proposer, not the fit."""
-
-    def __init__(self, coefficients: tuple[float, float, float, float]) -> None:
-        super().__init__()
-        self.fixed = coefficients
-
-    def observe(self, requests: int, draft_tokens: int, seconds: float) -> None:
-        pass
-
-    @property
-    def coefficients(self) -> tuple[float, float, float, float]:
-        return self.fixed
 
 
 class Runner:
@@ -74,7 +59,7 @@ def replay(trace_path: str, batch: int, k: int, regime: str, prefetch: str, flus
         model_config=SimpleNamespace(max_model_len=1 << 20, hf_config=SimpleNamespace(eos_token_id=None)),
         device_config=SimpleNamespace(device_type="cpu"))
     proposer = NgramRLProposer(vllm_config)
-    proposer.cost = FixedCost(REGIMES[regime])
+    proposer.cost = FixedStepCost(*REGIMES[regime])
     runner = Runner()
     proposer.bind_runner(runner)
     rollouts = read_trace(trace_path).rollouts

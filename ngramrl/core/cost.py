@@ -90,6 +90,22 @@ class StepCostModel:
         return (1.0 + min_gain) * per_token * requests < base + per_request * requests
 
 
+class FixedStepCost(StepCostModel):
+    """A step-cost model with given coefficients that learns nothing: to replay or test the
+    proposer's decisions under a known cost regime, apart from the fit."""
+
+    def __init__(self, base: float, per_request: float, per_token: float, per_verify: float) -> None:
+        super().__init__()
+        self.fixed = (base, per_request, per_token, per_verify)
+
+    def observe(self, requests: int, draft_tokens: int, seconds: float) -> None:
+        pass
+
+    @property
+    def coefficients(self) -> tuple[float, float, float, float]:
+        return self.fixed
+
+
 def choose_draft_lengths(survival: Sequence[Sequence[float]], model: StepCostModel, min_gain: float = 0.0) -> list[int]:
     """Per request, how many leading draft tokens to verify. ``survival[r][i]``: the chance that
     draft tokens 0..i of request r are all accepted (non-increasing in i). A token must raise the

@@ -7,23 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from ngramrl.config import EngineConfig, NgramRLConfig
-from ngramrl.core.cost import StepCostModel
+from ngramrl.core.cost import FixedStepCost, StepCostModel
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, _cpu_list, config_to_env, prefetch_plan
-
-
-class FixedCost(StepCostModel):
-    """A step-cost model whose fit is given (the scheduling under test, not the fit)."""
-
-    def __init__(self, base, per_request, per_token, per_verify):
-        super().__init__()
-        self.fixed = (base, per_request, per_token, per_verify)
-
-    def observe(self, requests, draft_tokens, seconds):
-        pass
-
-    @property
-    def coefficients(self):
-        return self.fixed
 
 
 class FakeRunner:
@@ -81,7 +66,7 @@ def lookup_steps(proposer, runner, looked_up, steps, rows):
 
 def test_lookups_back_off_while_the_cost_model_keeps_nothing(monkeypatch):
     # Verifying is cheap enough that a certain token would pay, but prompts never seen give no drafts.
-    proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.001, 0.0))
+    proposer, runner, looked_up = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.001, 0.0))
     for r in range(4):
         runner.add(f"r{r}", f"unseen{r}", [1, 40 + r, 41 + r])
     steps = lookup_steps(proposer, runner, looked_up, 300, 4)
@@ -92,7 +77,7 @@ def test_lookups_back_off_while_the_cost_model_keeps_nothing(monkeypatch):
 
 
 def test_a_batch_half_the_size_looks_again_at_once(monkeypatch):
-    proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.001, 0.0))
+    proposer, runner, looked_up = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.001, 0.0))
     for r in range(4):
         runner.add(f"r{r}", f"unseen{r}", [1, 40 + r, 41 + r])
     lookup_steps(proposer, runner, looked_up, 60, 4)  # backed off: the next lookup would be at step 65
@@ -105,7 +90,7 @@ def test_a_batch_half_the_size_looks_again_at_once(monkeypatch):
 def test_probes_back_off_while_drafting_does_not_pay(monkeypatch):
     # Drafts exist, but verifying at all costs more than any draft can save: only probes verify,
     # 1 or 4 tokens in turn, at intervals doubling from explore_every.
-    proposer, runner, _ = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.01, 0.3))
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.01, 0.3))
     pattern = [100, 101, 102, 103, 104, 105]
     proposer.history.add_rollout("p", [1, 2, 3], pattern * 100, epoch=0)
     runner.add("r0", "p", [1, 2, 3])
@@ -121,7 +106,7 @@ def test_a_probe_on_which_drafting_pays_brings_the_short_probe_interval_back(mon
     # Probes have backed off to every 64th step (0, 16, 48, 112); at step 112 drafting pays for one
     # step, so the cost model itself keeps the whole draft. That probe is spent: the next one comes
     # explore_every steps on (128, not at once and not 64 later), then the intervals double again.
-    stingy, free = FixedCost(0.03, 0.001, 0.01, 0.3), FixedCost(0.03, 0.001, 0.0, 0.0)
+    stingy, free = FixedStepCost(0.03, 0.001, 0.01, 0.3), FixedStepCost(0.03, 0.001, 0.0, 0.0)
     proposer, runner, _ = make_proposer(monkeypatch, stingy)
     pattern = [100, 101, 102, 103, 104, 105]
     proposer.history.add_rollout("p", [1, 2, 3], pattern * 100, epoch=0)
@@ -140,7 +125,7 @@ def test_a_batch_that_drains_and_comes_back_resumes_its_probe_interval(monkeypat
     # The batch drains to two at step 300 (a generate call ending): probes restart there (316).
     # Four requests again at step 330 (the next generate call): the next probe is 256 steps on,
     # not 16 steps on as after a restart (332).
-    proposer, runner, _ = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.01, 0.3))
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.01, 0.3))
     pattern = [100, 101, 102, 103, 104, 105]
     proposer.history.add_rollout("p", [1, 2, 3], pattern * 100, epoch=0)
     for r in range(4):
@@ -160,7 +145,7 @@ def test_a_batch_that_drains_and_comes_back_resumes_its_probe_interval(monkeypat
 
 
 def test_drafts_that_pay_are_looked_up_every_step(monkeypatch):
-    proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.0, 0.0))
+    proposer, runner, looked_up = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0))
     pattern = [100, 101, 102, 103, 104, 105]
     proposer.history.add_rollout("p", [1, 2, 3], pattern * 20, epoch=0)
     runner.add("r0", "p", [1, 2, 3])
@@ -170,7 +155,7 @@ def test_drafts_that_pay_are_looked_up_every_step(monkeypatch):
 
 
 def test_without_the_cost_model_every_step_looks_up(monkeypatch):
-    proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.01, 0.0),
+    proposer, runner, looked_up = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.01, 0.0),
                                                 adaptive_length=False)
     runner.add("r0", "unseen", [1, 2, 3])
     assert lookup_steps(proposer, runner, looked_up, 20, 1) == list(range(20))
@@ -200,7 +185,7 @@ def test_background_worker_adds_the_committed_tokens_during_the_forward(monkeypa
     pattern = [100, 101, 102, 103, 104, 105]
     made = {}
     for mode in ("off", "on"):
-        proposer, runner, _ = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.0, 0.0), prefetch=mode)
+        proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), prefetch=mode)
         assert (proposer.prefetch is not None) == (mode == "on")
         proposer.history.add_rollout("p", [1, 2, 3], pattern * 20, epoch=0)
         runner.add("r0", "p", [1, 2, 3])
@@ -223,7 +208,7 @@ def test_worker_is_woken_only_before_steps_that_look_up(monkeypatch):
     work only on the steps before them. The drafts are those of synchronous drafting."""
     made = {}
     for mode in ("off", "on"):
-        proposer, runner, looked_up = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.05, 0.0), prefetch=mode)
+        proposer, runner, looked_up = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.05, 0.0), prefetch=mode)
         proposer.history.add_rollout("p", [1, 2, 3], [100, 101, 102, 103] * 30, epoch=0)
         for r in range(4):
             runner.add(f"r{r}", "p", [1, 2, 3])
@@ -245,7 +230,7 @@ def test_tokens_of_steps_without_lookups_are_indexed_at_once_before_the_next_loo
     """Drafting cannot pay: only probe steps (0, 16) look up. In between, committed tokens are kept
     but not indexed; the next lookup step indexes every row's backlog before any row looks up, so
     each sibling drafts from all the others' tokens; a finished request keeps all of its tokens."""
-    proposer, runner, _ = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.05, 0.0))
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.05, 0.0))
     proposer.history.add_rollout("p", [1, 2, 3], [100, 101, 102, 103] * 30, epoch=0)
     runner.add("r0", "p", [1, 2, 3])
     runner.add("r1", "p", [1, 2, 3])
@@ -278,7 +263,7 @@ def test_a_new_proposer_given_the_exported_state_drafts_and_decides_as_the_old_o
     engine as plain data (it travels over vLLM's RPC) and comes out the same there."""
     import json
 
-    old, old_runner, _ = make_proposer(monkeypatch, FixedCost(0.03, 0.001, 0.0, 0.0))
+    old, old_runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0))
     pattern = [100, 101, 102, 103, 104, 105]
     old.history.add_rollout("p", [1, 2, 3], pattern * 10 + [7, 8], epoch=0)
     old_runner.add("r0", "p", [1, 2, 3])
@@ -300,7 +285,7 @@ def test_a_new_proposer_given_the_exported_state_drafts_and_decides_as_the_old_o
     assert [new.calibration.chance(*c) for c in cells] == [old.calibration.chance(*c) for c in cells]
     old._restart_back_off(old.stats.steps)  # not carried: a new engine looks up from its first step
     for proposer, runner in ((old, old_runner), (new, new_runner)):
-        proposer.cost = FixedCost(0.03, 0.001, 0.0, 0.0)
+        proposer.cost = FixedStepCost(0.03, 0.001, 0.0, 0.0)
         runner.add("r1", "p", [1, 2, 3])
     assert step(new, new_runner, [100]) == step(old, old_runner, [100]) != [[]]
 
