@@ -48,7 +48,9 @@ class PrefetchStats:
     dispatched: int = 0
     failed: int = 0
     late: int = 0
-    bookkeeping_ns: deque[int] = field(default_factory=lambda: deque(maxlen=4096))  # recent steps: runs are long
+    # Per request per step: predicting outcomes and allocating the budget (and, for ``Prefetcher``,
+    # starting the lookups); recent steps only, runs are long.
+    plan_ns: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
 
     @property
     def coverage(self) -> float:
@@ -112,7 +114,7 @@ class Prefetcher:
                 tasks[outcome.key] = task
             self._pending[rid] = _Pending(draft, k, tasks)
             self.stats.dispatched += len(tasks)
-        self.stats.bookkeeping_ns.append((time.perf_counter_ns() - begin) // max(1, len(requests)))
+        self.stats.plan_ns.append((time.perf_counter_ns() - begin) // max(1, len(requests)))
 
     def next_draft(self, request: RequestState, accepted: int, emitted: int) -> tuple[Draft, bool]:
         """The outcome is known: commit it and return the next draft (prefetched on a hit)."""
@@ -211,17 +213,17 @@ class BackgroundPrefetch:
                 self._idle.set()
 
     def _work(self) -> None:
-        begin = time.perf_counter_ns()
         for request in self._absorb:
             if self._stop.is_set():
                 return
             self.drafter.absorb(request)
         if self._stop.is_set():
             return
+        begin = time.perf_counter_ns()
         jobs = {request.request_id: (request, draft, k) for request, draft, k in self._jobs}
         chosen = choose_outcomes(self.drafter, [(request, draft) for request, draft, _ in jobs.values()],
                                  self.calibration, self.config)
-        self.stats.bookkeeping_ns.append(time.perf_counter_ns() - begin)
+        self.stats.plan_ns.append((time.perf_counter_ns() - begin) // max(1, len(jobs)))
         # Likeliest outcomes of the whole batch first, so an early stop loses the least.
         queue = sorted(((o, rid) for rid, outcomes in chosen.items() for o in outcomes),
                        key=lambda item: -item[0].probability)

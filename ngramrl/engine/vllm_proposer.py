@@ -234,7 +234,15 @@ class NgramRLProposer:
         return self.config.prefetch.budget > 0 and self._looks_up(self.stats.steps + 1, rows)
 
     def _backend_stats(self) -> dict[str, Any]:
-        return {"prompts": len(self.history)}
+        stats: dict[str, Any] = {"prompts": len(self.history)}
+        if self.prefetch is not None:
+            import statistics
+
+            plan = self.prefetch.stats.plan_ns
+            stats.update(prefetch_dispatched=self.prefetch.stats.dispatched,
+                         prefetch_failed=self.prefetch.stats.failed,
+                         prefetch_plan_us_median=statistics.median(plan) / 1000 if plan else None)
+        return stats
 
     def export_state(self) -> dict[str, Any] | None:
         """What this proposer has learned, as plain data: the rollout history it drafts from, the

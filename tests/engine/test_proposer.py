@@ -197,6 +197,9 @@ def test_background_worker_adds_the_committed_tokens_during_the_forward(monkeypa
         if proposer.prefetch is not None:
             proposer.prefetch.collect()
             assert proposer.stats.prefetch_hits > 0
+            reported = proposer.stats_dict()
+            assert reported["prefetch_dispatched"] >= proposer.stats.prefetch_hits
+            assert reported["prefetch_plan_us_median"] > 0
         assert all(not request.pending for request in proposer.requests.values())  # all in the index
         assert proposer.history.index_of("q") is not None
         made[mode] = drafts
