@@ -236,6 +236,13 @@ class RolloutHistory:
         return [[entry.prompt_id, list(entry.prompt), [[r.epoch, list(r.tokens)] for r in entry.rollouts]]
                 for entry in self._prompts.values()]
 
+    def clear(self) -> None:
+        """Forget every prompt and rollout (a request still live goes on without drafts)."""
+        self._prompts.clear()
+        self._stored = 0
+        self._global, self._global_tokens, self._global_stale = None, 0, 0
+        self.layout += 1
+
     def restore(self, exported: list[list]) -> None:
         """Add what ``export`` returned, in its order (so windows and recency come out the same)."""
         for prompt_id, prompt, rollouts in exported:

@@ -89,17 +89,27 @@ class MethodRun:
 
         return RolloutEngine(self.config)
 
-    def restart(self) -> None:
+    def restart(self, prompts, concurrency: int) -> None:
         """A new engine process with what this one's proposer learned. An engine process's forward
         can run some percent faster or slower than another's with the same settings (docs/vllm.md);
         with one process per arm for all rounds that offset would hit every round of the arm alike.
-        The counters come over vLLM's RPC, so nothing is written during generation."""
+        The counters come over vLLM's RPC, so nothing is written during generation.
+
+        Before it is timed, the new engine generates a quarter-length batch at this concurrency,
+        untimed: a process's first steps of each shape (batch size, verified tokens) set up their
+        kernels, which a long-running engine has long done; drafting arms see more shapes. The
+        proposer's state is then set to the old engine's again, so the warm-up teaches it nothing."""
         state = self.engine.export_state()
         stats = self.engine.proposer_stats()
         for key in self.earlier_engines:
             self.earlier_engines[key] += stats.get(key, 0)
         self.engine.close()
         self.engine = self._start()
+        if state is not None:
+            self.engine.restore_state(state)
+        per_prompt = min(self.args.samples, concurrency)
+        self.engine.generate(prompts[:max(1, concurrency // per_prompt)], n=per_prompt, epoch=-1,
+                             temperature=self.args.temperature, max_tokens=max(8, self.args.max_tokens // 4), seed=1)
         if state is not None:
             self.engine.restore_state(state)
 
@@ -190,7 +200,7 @@ def run_interleaved(methods: list[str], args: argparse.Namespace, model_dir: str
             shift = repeat % len(runs)
             for run in runs[shift:] + runs[:shift]:
                 if args.fresh_engines:
-                    run.restart()
+                    run.restart(prompts, concurrency)
                 phases[run.method].append(run.timed(prompts, concurrency, epoch))
             epoch += 1
     return [run.finish(phases[run.method]) for run in runs]

@@ -252,7 +252,9 @@ class NgramRLProposer:
                 "calibration": self.calibration.state(), "delivered": list(self._delivered)}
 
     def restore_state(self, state: dict[str, Any]) -> int:
-        """Take what ``export_state`` gave (between generate calls); returns the prompts now known."""
+        """Take what ``export_state`` gave, in place of what this proposer had learned (between
+        generate calls); returns the prompts now known."""
+        self.history.clear()
         self.history.restore(state["history"])
         self.cost.load_state(state["step_cost"])
         self.calibration.load_state(state["calibration"])

@@ -280,7 +280,9 @@ def test_a_new_proposer_given_the_exported_state_drafts_and_decides_as_the_old_o
     state = json.loads(json.dumps(old.export_state()))
 
     new, new_runner, _ = make_proposer(monkeypatch, StepCostModel())
-    assert new.restore_state(state) == 1
+    new.history.add_rollout("other", [4, 5], [6, 7, 8], epoch=0)  # e.g. an untimed warm-up's rollout
+    new.history.add_rollout("p", [1, 2, 3], [9, 9, 9], epoch=5)
+    assert new.restore_state(state) == 1  # in place of what it had
     assert new.history.export() == old.history.export()
     assert new.cost.coefficients == pytest.approx(old.cost.coefficients)
     assert old.calibration._table  # something was learned
