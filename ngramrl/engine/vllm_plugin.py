@@ -91,12 +91,12 @@ def sample_recovered_tokens_lean(max_spec_len, num_draft_tokens, cu_num_draft_to
     residual distribution, the target's probabilities with d removed (n-gram drafts carry no draft
     probabilities: q is a point mass on d). vLLM draws it as argmax(residual / E) with one
     exponential E per vocabulary entry, for every request of the batch and again for each seeded
-    one. On a CPU those draws are the whole cost of verifying: about 1.8 ms per request at a
-    49k vocabulary, 40-80 ms a step with 32 drafted requests, more than the forward itself.
-    Here each drafted position takes one uniform draw instead and inverts the residual's
-    cumulative sum (float64): the same distribution, from the request's own generator when it is
-    seeded. Drafts with draft probabilities keep vLLM's method, with noise drawn only for
-    requests that have drafts."""
+    one. On a CPU those draws are most of what sampling a verified step costs: about 1.8 ms per
+    request at a 49k vocabulary, 40-80 ms a step with 32 drafted requests, as much as the forward.
+    Here each drafted position takes one uniform draw instead (from the request's own generator
+    when it is seeded) and inverts the residual's cumulative distribution (``sample_without``):
+    the same distribution. Drafts with draft probabilities keep vLLM's method, with noise drawn
+    only for requests that have drafts."""
     import torch
 
     if draft_probs is not None:
