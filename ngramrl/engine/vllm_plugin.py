@@ -83,7 +83,7 @@ def guard_empty_draft_batches() -> None:
     rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
 
 
-def sample_recovered_tokens_lean(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
+def sample_recovered_tokens_cpu(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
                                  target_probs, sampling_metadata, device, use_fp64_gumbel=False):
     """vLLM's ``sample_recovered_tokens`` without its per-vocabulary noise.
 
@@ -186,8 +186,8 @@ def _recovered_tokens_by_noise(max_spec_len, num_draft_tokens, cu_num_draft_toke
     return recovered_token_ids
 
 
-def lean_recovered_token_noise() -> bool:
-    """On CPUs, draw recovered-token noise only where there are drafts (see above)."""
+def cheap_recovered_tokens() -> bool:
+    """On CPUs, sample recovered tokens by inverse CDF instead of noise over the vocabulary (see above)."""
     from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler
 
@@ -195,8 +195,8 @@ def lean_recovered_token_noise() -> bool:
         return False
     if getattr(rejection_sampler.sample_recovered_tokens, _PATCHED_ATTR, False):
         return True
-    setattr(sample_recovered_tokens_lean, _PATCHED_ATTR, True)
-    rejection_sampler.sample_recovered_tokens = sample_recovered_tokens_lean
+    setattr(sample_recovered_tokens_cpu, _PATCHED_ATTR, True)
+    rejection_sampler.sample_recovered_tokens = sample_recovered_tokens_cpu
     return True
 
 
@@ -243,7 +243,7 @@ def bind_proposer_to_runner() -> None:
 
 
 FIX_ENV = "NGRAMRL_VLLM_CPU_FIX"  # "0" leaves the bug in place (only to reproduce it in tests)
-LEAN_ENV = "NGRAMRL_VLLM_LEAN_NOISE"  # "0" keeps vLLM's noise for every request
+LEAN_ENV = "NGRAMRL_VLLM_LEAN_NOISE"  # "0" keeps vLLM's recovered-token sampling (noise for every request)
 PLAIN_ENV = "NGRAMRL_VLLM_PLAIN_NO_DRAFT"  # "0" keeps vLLM's rejection sampler on steps without drafts
 
 
@@ -254,7 +254,7 @@ def register() -> None:
             fix_expand_batch_to_tokens()
         guard_empty_draft_batches()
         if os.environ.get(LEAN_ENV, "1") != "0":
-            lean_recovered_token_noise()
+            cheap_recovered_tokens()
         if os.environ.get(PLAIN_ENV, "1") != "0":
             plain_sampling_without_drafts()
         bind_proposer_to_runner()

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ngramrl.engine.vllm_plugin import sample_recovered_tokens_lean, sample_without  # noqa: E402
+from ngramrl.engine.vllm_plugin import sample_recovered_tokens_cpu, sample_without  # noqa: E402
 
 
 def residual(probs, excluded):
@@ -60,7 +60,7 @@ def test_seeded_requests_draw_from_their_own_generator():
         cu = torch.tensor(num_draft_tokens).cumsum(0)
         generators = {i: torch.Generator().manual_seed(s) for i, s in seeds.items()}
         metadata = SimpleNamespace(generators=generators)
-        return sample_recovered_tokens_lean(4, num_draft_tokens, cu, drafts[:int(cu[-1])], None,
+        return sample_recovered_tokens_cpu(4, num_draft_tokens, cu, drafts[:int(cu[-1])], None,
                                             probs[:int(cu[-1])].clone(), metadata, "cpu").tolist()
 
     torch.manual_seed(0)
