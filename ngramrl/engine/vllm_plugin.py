@@ -131,7 +131,7 @@ def sample_without(probs, excluded, uniform, block: int = RESIDUAL_BLOCK):
     ``probs`` is changed during the call and restored before it returns."""
     import torch
 
-    rows, vocab = probs.shape
+    vocab = probs.shape[1]
     whole = vocab // block
     excluded_column = excluded.unsqueeze(1)
     saved = probs.gather(1, excluded_column)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -236,8 +237,6 @@ class NgramRLProposer:
     def _backend_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"prompts": len(self.history)}
         if self.prefetch is not None:
-            import statistics
-
             plan = self.prefetch.stats.plan_ns
             stats.update(prefetch_dispatched=self.prefetch.stats.dispatched,
                          prefetch_failed=self.prefetch.stats.failed,
@@ -445,8 +444,6 @@ class NgramRLProposer:
 
     def stats_dict(self) -> dict[str, Any]:
         """Counters since the engine started (what the rollout metrics are made of)."""
-        import statistics
-
         base, per_request, per_token, per_verify = self.cost.coefficients
         stats = self.stats
         return {"steps": stats.steps, "drafts": stats.drafts, "drafted_tokens": stats.drafted_tokens,
