@@ -1,5 +1,6 @@
 """The plugin's recovered-token sampler (plugin item 4), checked against the residual distribution
-it must draw from. (The real engine's sampled distributions are checked in test_vllm.py.)"""
+it must draw from, and the rows sampled in steps without drafts (item 5). (The real engine's
+sampled distributions are checked in test_vllm.py.)"""
 
 from types import SimpleNamespace
 
@@ -7,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ngramrl.engine.vllm_plugin import sample_recovered_tokens_cpu, sample_without  # noqa: E402
+from ngramrl.engine.vllm_plugin import bonus_logits, sample_recovered_tokens_cpu, sample_without  # noqa: E402
 
 
 def residual(probs, excluded):
@@ -71,3 +72,12 @@ def test_seeded_requests_draw_from_their_own_generator():
     other_seed = [recovered([2, 3], {1: seed})[2:] for seed in range(78, 88)]
     assert any(tokens != first[2:] for tokens in other_seed)
     assert all(token != draft for token, draft in zip(first, drafts.tolist(), strict=False))
+
+
+def test_steps_without_drafts_sample_the_logits_themselves():
+    """Every row a bonus row: the sampler gets the logits tensor, not a copy of it; a subset of
+    rows (a step with drafts never comes here, but the helper must still be right) is gathered."""
+    logits = torch.randn(5, 11)
+    assert bonus_logits(logits, torch.arange(5)) is logits
+    subset = torch.tensor([1, 4])
+    assert torch.equal(bonus_logits(logits, subset), logits[subset])
