@@ -43,6 +43,37 @@ class NoDraftProposer:
         return [[] for _ in sampled_token_ids]
 
 
+def process_usage() -> dict[str, dict[str, float]]:
+    """CPU time, minor page faults and involuntary context switches (times the OS took the core
+    away) of this process and its descendants, summed by process name ("VLLM::Worker", the model
+    runner; "VLLM::EngineCore", the scheduler; "python", this front end). Idle engines of other
+    arms add little: they block between their phases. Linux only (empty elsewhere)."""
+    import psutil
+
+    usage: dict[str, dict[str, float]] = {}
+    me = psutil.Process()
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            with open(f"/proc/{process.pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            name = process.name()
+            switches = process.num_ctx_switches().involuntary
+        except (OSError, psutil.Error):
+            continue
+        ticks = os.sysconf("SC_CLK_TCK")
+        row = usage.setdefault(name, {"user_s": 0.0, "sys_s": 0.0, "minflt": 0, "involuntary": 0})
+        row["user_s"] += int(fields[11]) / ticks
+        row["sys_s"] += int(fields[12]) / ticks
+        row["minflt"] += int(fields[7])
+        row["involuntary"] += switches
+    return usage
+
+
+def _usage_delta(before: dict, after: dict) -> dict:
+    return {name: {key: round(value - before.get(name, {}).get(key, 0), 2) for key, value in row.items()}
+            for name, row in after.items()}
+
+
 def _prompts(workload: str, count: int, model_dir: str, spider_dir: str | None):
     from transformers import AutoTokenizer
 
@@ -125,6 +156,7 @@ class MethodRun:
         """Generate every prompt's samples with ``concurrency`` requests in flight; time it."""
         args = self.args
         before, proposer_before = self.engine.spec_decode_metrics(), self.engine.proposer_stats()
+        usage_before = process_usage()
         tokens, seconds = 0, 0.0
         # Requests in flight at once = concurrency: groups of whole prompts (n samples each), or
         # single samples for concurrency below n.
@@ -140,13 +172,14 @@ class MethodRun:
                 seconds += time.perf_counter() - begin
                 tokens += sum(len(r.output) for r in rollouts)
         self.generating += seconds
+        usage = _usage_delta(usage_before, process_usage())
         after = self.engine.spec_decode_metrics()
         accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
         drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
         drafted = after.get("num_draft_tokens", 0) - before.get("num_draft_tokens", 0)
         run = {"concurrency": concurrency, "epoch": epoch, "tokens": tokens, "seconds": round(seconds, 3),
                "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
-               "accepted": accepted, "drafts": drafts, "draft_tokens": drafted}
+               "accepted": accepted, "drafts": drafts, "draft_tokens": drafted, "processes": usage}
         proposer_after = self.engine.proposer_stats()
         if proposer_after:  # what the proposer expected of its verified drafts, and what it chose
             delta = {key: round(proposer_after[key] - proposer_before.get(key, 0), 2) for key in
@@ -172,6 +205,7 @@ class MethodRun:
                 "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
                 "tokens_per_forward": round(tokens / max(1, tokens - accepted), 3),
                 "proposer": [p["proposer"] for p in mine if "proposer" in p] or None,
+                "processes": [p["processes"] for p in mine],
             })
         proposer = self.engine.proposer_stats()
         if proposer:
