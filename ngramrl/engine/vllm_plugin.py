@@ -205,8 +205,9 @@ def bonus_logits(logits, bonus_logits_indices):
     cumulative sum of each request's logits rows, less one), so as many of them as there are rows
     means every row, in order: the logits themselves. Gathering them anyway copied the whole
     [requests, vocabulary] block every step, a cost no speculation does not pay: 0.9 ms on one
-    CPU thread at 32 requests and SmolLM2's 49k vocabulary (docs/vllm.md), about 1% of a step. Nothing reads the logits after the
-    sampler, so its in-place edits are harmless, as they are without speculation."""
+    CPU thread at 32 requests and SmolLM2's 49k vocabulary (docs/vllm.md), about 1% of a step.
+    Nothing reads the logits after the sampler, so its in-place edits are harmless, as they are
+    without speculation."""
     if bonus_logits_indices.shape[0] == logits.shape[0]:
         return logits
     return logits[bonus_logits_indices]
