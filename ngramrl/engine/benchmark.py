@@ -51,6 +51,7 @@ def process_usage() -> dict[str, dict[str, float]]:
     import psutil
 
     usage: dict[str, dict[str, float]] = {}
+    ticks = os.sysconf("SC_CLK_TCK")
     me = psutil.Process()
     for process in [me, *me.children(recursive=True)]:
         try:
@@ -60,7 +61,6 @@ def process_usage() -> dict[str, dict[str, float]]:
             switches = process.num_ctx_switches().involuntary
         except (OSError, psutil.Error):
             continue
-        ticks = os.sysconf("SC_CLK_TCK")
         row = usage.setdefault(name, {"user_s": 0.0, "sys_s": 0.0, "minflt": 0, "involuntary": 0})
         row["user_s"] += int(fields[11]) / ticks
         row["sys_s"] += int(fields[12]) / ticks
