@@ -82,6 +82,7 @@ class EngineConfig:
     explore_every: int = 16            # while drafting is off, every n-th step verifies a few tokens (cost probe),
     explore_max_every: int = 256       # ... the interval doubling after each probe that finds it still does not pay
     min_gain: float = 0.1              # drafts must raise the expected throughput by this much (estimates err)
+    draft_threads: int = 1             # threads the batched drafting core spreads a step's rows over
     prefetch: str | bool = "auto"      # look up likely next drafts while the forward runs: "on", "off", or
     #                                    "auto": on where the forward leaves CPU cores idle (an accelerator,
     #                                    or spare cores); off where it runs on every core (it would slow it)
@@ -95,6 +96,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.cost_decay must be in (0, 1], got {self.cost_decay}")
         if self.min_gain < 0:
             raise ValueError(f"EngineConfig.min_gain must be >= 0, got {self.min_gain}")
+        if self.draft_threads < 1:
+            raise ValueError(f"EngineConfig.draft_threads must be >= 1, got {self.draft_threads}")
         if self.explore_every < 1:
             raise ValueError(f"EngineConfig.explore_every must be >= 1, got {self.explore_every}")
         if self.explore_max_every < self.explore_every:
