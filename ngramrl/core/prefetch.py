@@ -51,6 +51,7 @@ class PrefetchStats:
     # Per request per step: predicting outcomes and allocating the budget (and, for ``Prefetcher``,
     # starting the lookups); recent steps only, runs are long.
     plan_ns: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
+    busy_ns: int = 0  # the background worker's CPU time at work, all steps (what it took off the critical path)
 
     @property
     def coverage(self) -> float:
@@ -196,6 +197,15 @@ class BackgroundPrefetch:
         self._idle.wait()
         return self._results
 
+    def stop(self) -> None:
+        """Tell the worker to stop after the lookup in hand, without waiting (``collect`` waits)."""
+        self._stop.set()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until the worker has done all it was given, at most ``timeout`` seconds (what a
+        forward of that length leaves it); whether it had."""
+        return self._idle.wait(timeout)
+
     def _run(self) -> None:
         if self.cores and hasattr(os, "sched_setaffinity"):
             try:
@@ -205,11 +215,13 @@ class BackgroundPrefetch:
         while True:
             self._wake.wait()
             self._wake.clear()
+            begin = time.thread_time_ns()
             try:
                 self._work()
             except Exception:  # noqa: BLE001 - a failed prefetch is only a miss
                 self.stats.failed += 1
             finally:
+                self.stats.busy_ns += time.thread_time_ns() - begin
                 self._idle.set()
 
     def _work(self) -> None:

@@ -19,11 +19,12 @@ import os
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
-from ngramrl.core.cost import StepCostModel, choose_draft_lengths, probe_lengths
+from ngramrl.core.cost import StepCostModel, choose_draft_lengths, drafting_pays, probe_lengths
 from ngramrl.core.drafter import EMPTY, Draft, NgramDrafter
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival
@@ -129,13 +130,19 @@ def _eos_ids(vllm_config: Any) -> tuple[int, ...]:
 
 
 class NgramRLProposer:
-    """vLLM ``custom_class`` proposer drafting from per-prompt rollout history."""
+    """vLLM ``custom_class`` proposer drafting from per-prompt rollout history.
 
-    def __init__(self, vllm_config: Any) -> None:
+    vLLM builds it from its config alone (settings from ``NGRAMRL_CONFIG``). Outside vLLM (a
+    simulated engine) ``config`` gives the settings directly and ``clock`` (nanoseconds) the time
+    the step-cost model learns from: a simulation's clock makes it learn simulated step times."""
+
+    def __init__(self, vllm_config: Any, config: NgramRLConfig | None = None,
+                 clock: Callable[[], int] = time.perf_counter_ns) -> None:
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.config = config_from_env(os.environ.get(CONFIG_ENV))
+        self.config = config if config is not None else config_from_env(os.environ.get(CONFIG_ENV))
+        self.clock = clock
         stops = tuple(sorted(set(self.config.drafter.stop_tokens) | set(_eos_ids(vllm_config))))
         self.drafter_config = DrafterConfig(**{**self.config.drafter.__dict__, "stop_tokens": stops})
         self.runner: Any = None
@@ -146,6 +153,9 @@ class NgramRLProposer:
         self.calibration = AcceptanceCalibration(prefetch.prior_strength, prefetch.calibration_decay)
         self.follower = DraftFollower(self.calibration)  # learns from cut drafts too
         self._delivered = [0.0, 0.0]  # accepted vs expected verified draft tokens, recent steps weigh more
+        # This proposer's own time per row, in steps without lookups and with them (recent steps
+        # weigh more): on a synchronous engine's critical path, so lookups must pay for it too.
+        self._own_per_row: list[float | None] = [None, None]
         self.cost = StepCostModel(self.config.engine.cost_decay)
         self._pending: dict[str, Draft] = {}   # drafts sent for verification in the last step
         self._verified_tokens = 0               # draft tokens the last step's forward verified
@@ -271,7 +281,7 @@ class NgramRLProposer:
         runner = self.runner
         if runner is None:
             return [[] for _ in sampled_token_ids]
-        begin = time.perf_counter_ns()
+        begin = self.clock()
         req_ids = runner.input_batch.req_ids
         batch = tuple(req_ids[:len(sampled_token_ids)])
         # The forward that verified our last drafts just ran. Only steady decode steps (the same
@@ -333,7 +343,11 @@ class NgramRLProposer:
         self._verified_tokens = sum(len(d) for d in drafts)  # draft tokens the next forward verifies
         self._end_step(rows, [self._pending.get(row.req_id, EMPTY) for row in rows])
         self.stats.steps += 1
-        end = time.perf_counter_ns()
+        end = self.clock()
+        if rows:
+            previous = self._own_per_row[int(looked)]
+            per_row = (end - begin) / 1e9 / len(rows)
+            self._own_per_row[int(looked)] = per_row if previous is None else 0.9 * previous + 0.1 * per_row
         self.stats.draft_ns_total += end - begin
         self.stats.recent_draft_ns.append(end - begin)
         self._step_started = end / 1e9
@@ -368,9 +382,14 @@ class NgramRLProposer:
             # The tokens chosen are those the model rates highest, so their chances run high (the
             # winner's curse): scale them by what verified drafts delivered against what was expected.
             delivered = min(1.0, (self._delivered[0] + 8.0) / (self._delivered[1] + 8.0))
-            chosen = choose_draft_lengths([Survival(d.probs, self.calibration, delivered) for d in drafts],
-                                          self.cost, engine.min_gain)
-            paid = any(chosen)
+            scaled = [Survival(d.probs, self.calibration, delivered) for d in drafts]
+            chosen = choose_draft_lengths(scaled, self.cost, engine.min_gain)
+            # The lookups are spent for this step; whether they paid for themselves decides the next
+            # steps' (a step that keeps drafts but gains less than its lookups cost backs them off).
+            plain, drafting = ((per_row or 0.0) * len(drafts) for per_row in self._own_per_row)
+            paid = any(chosen) and drafting_pays(self.cost, len(drafts), sum(chosen),
+                                                 sum(sum(s[:n]) for s, n in zip(scaled, chosen, strict=True)),
+                                                 drafting, plain, engine.min_gain)
             if exploring and not any(chosen):
                 chosen = probe_lengths(survival, PROBE_TOKENS[self._probes % 2])
                 self._probes += 1
@@ -456,4 +475,4 @@ class NgramRLProposer:
                                     else None),
                 "draft_us_total": stats.draft_ns_total / 1000, "step_base_s": base,
                 "step_per_request_s": per_request, "step_per_token_s": per_token,
-                "step_per_verify_s": per_verify, **self._backend_stats()}
+                "step_per_verify_s": per_verify, "step_knee_tokens": self.cost.knee, **self._backend_stats()}

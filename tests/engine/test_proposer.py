@@ -2,41 +2,20 @@
 prefetch runs. (The real engine is exercised in test_vllm.py.)"""
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from ngramrl.config import EngineConfig, NgramRLConfig
 from ngramrl.core.cost import FixedStepCost, StepCostModel
+from ngramrl.engine.standin import StandInRunner, standin_vllm_config
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, _cpu_list, config_to_env, prefetch_plan
-
-
-class FakeRunner:
-    """What the proposer reads of vLLM's model runner: the batch's request ids and each request."""
-
-    def __init__(self):
-        self.input_batch = SimpleNamespace(req_ids=[])
-        self.requests = {}
-
-    def add(self, req_id, prompt_id, prompt):
-        self.requests[req_id] = SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"prompt_id": prompt_id}),
-                                                prompt_token_ids=list(prompt), output_token_ids=[])
-        self.input_batch.req_ids.append(req_id)
-
-    def remove(self, req_id):
-        del self.requests[req_id]
-        self.input_batch.req_ids.remove(req_id)
 
 
 def make_proposer(monkeypatch, cost, k=4, prefetch="off", **engine):
     monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch, **engine))))
-    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
-                                  model_config=SimpleNamespace(max_model_len=4096,
-                                                               hf_config=SimpleNamespace(eos_token_id=2)),
-                                  device_config=SimpleNamespace(device_type="cpu"))
-    proposer = NgramRLProposer(vllm_config)
+    proposer = NgramRLProposer(standin_vllm_config(k, eos_token_ids=(2,), max_model_len=4096))
     proposer.cost = cost
-    runner = FakeRunner()
+    runner = StandInRunner()
     proposer.bind_runner(runner)
     looked_up = []
     lookup = proposer.drafter.lookup
