@@ -84,8 +84,14 @@ def _bench_steps(args: argparse.Namespace) -> int:
 
 
 def _profile_gpu(args: argparse.Namespace) -> int:
-    from ngramrl.bench.profile import HostOverhead, RooflineSettings, model_shape, roofline_profile, write_profile
-    from ngramrl.bench.report import check_output
+    from ngramrl.core.profile import (
+        HostOverhead,
+        RooflineSettings,
+        check_output,
+        model_shape,
+        roofline_profile,
+        write_profile,
+    )
 
     check_output(args.out)
     shape = model_shape(args.model)
@@ -110,9 +116,9 @@ def _profile_gpu(args: argparse.Namespace) -> int:
 
 
 def _project(args: argparse.Namespace) -> int:
-    from ngramrl.bench.profile import HostOverhead
     from ngramrl.bench.project import ProjectConfig, run_project
     from ngramrl.bench.run import builtin_traces
+    from ngramrl.core.profile import HostOverhead
 
     traces = args.traces or builtin_traces()
     run_project(ProjectConfig(traces=traces, profile=args.profile, batches=args.engine_batch,

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from ngramrl.bench.profile import MODEL_SHAPES, StepProfile, load_profile, roofline_profile
-from ngramrl.bench.report import check_output
+from ngramrl.bench.report import print_now
 from ngramrl.bench.steps import build_engine, copies_for, method_available, prepare_workload, summarize_steps
+from ngramrl.core.profile import MODEL_SHAPES, StepProfile, check_output, load_profile, roofline_profile
 from ngramrl.core.trace import read_trace
 
 BENCH_STEPS_VERSION = 1
@@ -55,7 +56,7 @@ def default_profile(k: int) -> StepProfile:
     return roofline_profile("h100", MODEL_SHAPES["qwen3-8b"], k=k)
 
 
-def run_bench_steps(config: BenchStepsConfig, log=print) -> dict:
+def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print_now) -> dict:
     check_output(config.json_out)
     traces = [read_trace(path) for path in config.traces]  # all validated before any work starts
     profile = load_profile(config.profile) if config.profile else default_profile(config.k)

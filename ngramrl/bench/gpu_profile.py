@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ngramrl.bench.profile import (
+from ngramrl.core.profile import (
     DEFAULT_BATCHES,
     DEFAULT_CONTEXTS,
     GPU_SPECS,

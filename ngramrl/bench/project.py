@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ngramrl.bench.profile import HostOverhead, StepProfile, load_profile
-from ngramrl.bench.report import check_output
+from ngramrl.bench.report import print_now
 from ngramrl.bench.steps import ENGINE_METHODS, build_engine, copies_for, method_available, prepare_workload
+from ngramrl.core.profile import HostOverhead, StepProfile, check_output, load_profile
 from ngramrl.core.trace import read_trace
 
 PROJECT_VERSION = 1
@@ -69,7 +70,7 @@ def profile_summary(profile: StepProfile, path: str) -> dict:
             "floor_ms": profile.floor_ms}
 
 
-def run_project(config: ProjectConfig, log=print) -> dict:
+def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -> dict:
     check_output(config.json_out)
     profile = load_profile(config.profile)
     traces = [read_trace(path) for path in config.traces]  # all validated before any work starts
@@ -88,6 +89,18 @@ def run_project(config: ProjectConfig, log=print) -> dict:
     log(f"{BANNER}: {profile.source} step profile of {profile.model.get('name')} on {profile.device.get('name')}; "
         f"host work {profile.host.base_ms:g} ms + {profile.host.per_request_ms * 1000:g} us per request per step")
     runs, fastest = [], float("inf")
+    summary = profile_summary(profile, config.profile)
+
+    def write(partial: bool) -> None:
+        # after every run: a projection that is stopped leaves what it finished
+        if config.json_out:
+            summary["fastest_step_ms"] = round(fastest, 4) if runs else None
+            result = {"ngramrl_project": PROJECT_VERSION, "note": BANNER, "profile": summary, "runs": runs}
+            if partial:
+                result["partial"] = True
+            with open(config.json_out, "w") as handle:
+                json.dump(result, handle, indent=1)
+
     for trace in traces:
         for batch in config.batches:
             copies = config.copies or copies_for(trace, 1, batch)
@@ -117,17 +130,15 @@ def run_project(config: ProjectConfig, log=print) -> dict:
                        "draft_ms_per_step": round(statistics.fmean(r.critical_ns for r in records) / 1e6, 4),
                        "copies": copies, "requests": sum(len(p) for p in workload.phases)}
                 runs.append(run)
+                write(partial=True)
                 log(f"{os.path.basename(trace.path):<28} B={batch:<5} {method:<17} {run['rollout_seconds']:>9.3f} s  "
                     f"{run['speedup_vs_none'] or 0:>6.3f}x none  tok/fwd {run['tokens_per_forward']:>6.3f}  "
                     f"steps {run['steps']:>6}  drafting {run['draft_ms_per_step']:>7.3f} ms/step")
-    summary = profile_summary(profile, config.profile)
     summary["fastest_step_ms"] = round(fastest, 4) if runs else None
     if profile.floor_ms is not None and runs and fastest < profile.floor_ms:
         log(f"project: WARNING: a step took {fastest:.3f} ms, less than reading the weights once at the device's "
             f"bandwidth ({profile.floor_ms:.3f} ms): the profile is not physical")
-    result = {"ngramrl_project": PROJECT_VERSION, "note": BANNER, "profile": summary, "runs": runs}
+    write(partial=False)
     if config.json_out:
-        with open(config.json_out, "w") as handle:
-            json.dump(result, handle, indent=1)
         log(f"wrote {config.json_out}")
-    return result
+    return {"ngramrl_project": PROJECT_VERSION, "note": BANNER, "profile": summary, "runs": runs}

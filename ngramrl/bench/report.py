@@ -8,17 +8,9 @@ import os
 from ngramrl.bench.replay import ReplayResult
 
 
-def check_output(path: str | None) -> None:
-    """An output path must be writable before any work starts."""
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"cannot write {path}: folder {folder} does not exist")
-    if os.path.isdir(path):
-        raise ValueError(f"cannot write {path}: it is a folder")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"cannot write {path}: permission denied")
+def print_now(line: str) -> None:
+    """Print a progress line at once, also into a pipe."""
+    print(line, flush=True)
 
 
 def _by(results: list[ReplayResult], method: str, trace: str, k: int) -> ReplayResult | None:

@@ -36,8 +36,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ngramrl.bench.profile import HostOverhead
 from ngramrl.bench.replay import accepted_prefix
+from ngramrl.core.profile import HostOverhead
 from ngramrl.core.trace import Rollout, Trace
 from ngramrl.engine.standin import StandInRunner
 

@@ -172,13 +172,16 @@ def drafting_pays(model: StepCostModel, requests: int, draft_tokens: int, expect
 def fit_plateau(points: Sequence[tuple[int, float]]) -> tuple[float, float, float]:
     """(time without drafts, seconds per draft token past the plateau, draft tokens inside it) of
     step times at one batch size, ``points`` = (draft tokens, seconds): the least-squares fit of
-    ``t = base + per_token * max(0, d - free)`` over every breakpoint between the points."""
+    ``t = base + per_token * max(0, d - free)`` over breakpoints at and between the points."""
     if not points:
         raise ValueError("no points to fit")
     drafts = np.array([float(d) for d, _ in points])
     seconds = np.array([float(t) for _, t in points])
+    known = sorted({0.0, *drafts.tolist()})
+    candidates = sorted({*known, *(a + (b - a) * i / 16 for a, b in zip(known, known[1:], strict=False)
+                                  for i in range(1, 16))})
     best: tuple[float, float, float, float] | None = None
-    for free in sorted({0.0, *drafts.tolist()}):
+    for free in candidates:
         x = np.maximum(0.0, drafts - free)
         design = np.stack([np.ones_like(x), x], axis=1)
         (base, per_token), *_ = np.linalg.lstsq(design, seconds, rcond=None)

@@ -4,7 +4,7 @@ a CPU measurement of a tiny shape gives a complete, valid profile."""
 import pytest
 
 from ngramrl.bench.gpu_profile import Decoder, MeasureConfig, fill_missing, measure_profile
-from ngramrl.bench.profile import MODEL_SHAPES, ModelShape, StepProfile
+from ngramrl.core.profile import MODEL_SHAPES, ModelShape, StepProfile
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

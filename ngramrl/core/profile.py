@@ -349,6 +349,19 @@ class StepProfile:
             raise ValueError(f"{where}: {err}") from None
 
 
+def check_output(path: str | None) -> None:
+    """An output path must be writable before any work starts."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write {path}: folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write {path}: it is a folder")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"cannot write {path}: permission denied")
+
+
 def load_profile(path: str) -> StepProfile:
     if not os.path.exists(path):
         raise FileNotFoundError(f"profile {path} does not exist")
