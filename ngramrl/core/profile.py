@@ -268,9 +268,10 @@ class StepProfile:
     def forward_seconds(self, requests: int, tokens: int, context: float, prefill_tokens: int = 0) -> float:
         """One step's forward (and sampling) with ``requests`` rows processing ``tokens`` tokens in
         all (one per row plus the draft tokens verified), at a mean context of ``context``, plus
-        ``prefill_tokens`` prompt tokens of requests that join in this step."""
+        ``prefill_tokens`` prompt tokens of requests that join in this step. A step reads the
+        weights whatever it computes: one of prefills alone costs at least a one-request step."""
         if requests <= 0:
-            return self.prefill_ms_per_token * prefill_tokens / 1000.0
+            requests, tokens = 1, 1
         per_request = tokens / requests
         bi, bj, bw = _interpolate(self.batches, requests)
         ti, tj, tw = _interpolate(self.tokens, per_request)
