@@ -125,7 +125,7 @@ def _project(args: argparse.Namespace) -> int:
                               methods=args.method or ProjectConfig.__dataclass_fields__["methods"].default_factory(),
                               k=args.k, threads=args.threads, copies=args.copies, waves=args.waves,
                               host=HostOverhead(*args.host_ms) if args.host_ms else None, flush_mb=args.flush_mb,
-                              json_out=args.json))
+                              cpu_scale=args.cpu_scale, json_out=args.json))
     return 0
 
 
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--time-budget-s", type=float, default=420.0,
                      help="stop measuring after this long; shapes left out are extrapolated and marked")
     gpu.add_argument("--host-ms", type=float, nargs=2, metavar=("BASE", "PER_REQUEST"),
-                     help="host work per step outside the forward, ms (default 0.3 and 0.002)")
+                     help="host work per step outside the forward, ms (default 0.5 and 0.003)")
     gpu.add_argument("--efficiency", type=float, nargs=2, metavar=("MEMORY", "FLOPS"),
                      help="roofline: fractions of peak bandwidth and FLOP/s kernels reach (default 0.85 0.7)")
     gpu.add_argument("--overhead-ms", type=float, default=0.15, help="roofline: fixed device time per step")
@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     proj.add_argument("--host-ms", type=float, nargs=2, metavar=("BASE", "PER_REQUEST"),
                       help="host work per step, ms, instead of the profile's")
     proj.add_argument("--flush-mb", type=float, default=32.0, help="cache-polluting pass per step (MB)")
+    proj.add_argument("--cpu-scale", type=float, default=1.0,
+                      help="count the proposers' CPU time this many times what it takes here (the engine host's CPU "
+                           "against this one; 0: drafting costs no time, the bound a free drafting core would reach)")
     proj.add_argument("--json", help="write the results as JSON here")
     proj.set_defaults(func=_project)
 

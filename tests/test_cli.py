@@ -92,8 +92,10 @@ def test_project_writes_its_contract_json_and_says_it_is_a_projection(tmp_path, 
     profile = tmp_path / "h100.json"
     assert main(["profile-gpu", "--roofline", "h100", "--model", "qwen3-8b", "--out", str(profile)]) == 0
     out = tmp_path / "projection.json"
+    # --cpu-scale 0: the drafting time does not count, so the drafting decisions do not depend on
+    # how busy this machine is
     code = main(["project", trace, "--profile", str(profile), "--engine-batch", "1", "4",
-                 "--method", "ngramrl", "pld", "--flush-mb", "1", "--json", str(out)])
+                 "--method", "ngramrl", "pld", "--flush-mb", "1", "--cpu-scale", "0", "--json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "PROJECTION, not a measurement" in printed
@@ -104,7 +106,8 @@ def test_project_writes_its_contract_json_and_says_it_is_a_projection(tmp_path, 
     runs = {(r["method"], r["engine_batch"]): r for r in data["runs"]}
     assert set(runs) == {(m, b) for m in ("none", "ngramrl", "pld") for b in (1, 4)}
     for run in runs.values():
-        assert set(run) >= keys
+        assert set(run) >= keys and run["draft_ms_per_step"] == 0.0
+    assert data["profile"]["cpu_scale"] == 0.0
     for batch in (1, 4):
         none = runs[("none", batch)]
         assert none["speedup_vs_none"] == 1.0 and none["tokens_per_forward"] == 1.0

@@ -44,11 +44,14 @@ class ProjectConfig:
     waves: bool = False             # each wave of B requests drains before the next (a generate-call loop)
     host: HostOverhead | None = None  # overrides the profile's host overhead
     flush_mb: float = 32.0
+    cpu_scale: float = 1.0          # the proposers' CPU time counts this many times what it takes here
     json_out: str | None = None
 
     def __post_init__(self) -> None:
         if not self.traces:
             raise ValueError("no trace given")
+        if self.cpu_scale < 0:
+            raise ValueError(f"--cpu-scale must be >= 0, got {self.cpu_scale}")
         if not self.batches or any(b < 1 for b in self.batches):
             raise ValueError(f"--engine-batch values must be >= 1, got {self.batches}")
         for method in self.methods:
@@ -64,10 +67,10 @@ class ProjectConfig:
             raise ValueError(f"--flush-mb must be >= 0, got {self.flush_mb}")
 
 
-def profile_summary(profile: StepProfile, path: str) -> dict:
+def profile_summary(profile: StepProfile, path: str, cpu_scale: float) -> dict:
     return {"path": path, "source": profile.source, "model": profile.model.get("name"),
             "device": profile.device.get("name"), "k": profile.k, "host": profile.host.__dict__,
-            "floor_ms": profile.floor_ms}
+            "floor_ms": profile.floor_ms, "cpu_scale": cpu_scale}
 
 
 def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -> dict:
@@ -87,9 +90,10 @@ def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -
     for method, why in skipped.items():
         log(f"project: skipping {method}: {why}")
     log(f"{BANNER}: {profile.source} step profile of {profile.model.get('name')} on {profile.device.get('name')}; "
-        f"host work {profile.host.base_ms:g} ms + {profile.host.per_request_ms * 1000:g} us per request per step")
+        f"host work {profile.host.base_ms:g} ms + {profile.host.per_request_ms * 1000:g} us per request per step"
+        + (f"; drafting CPU time x {config.cpu_scale:g}" if config.cpu_scale != 1.0 else ""))
     runs, fastest = [], float("inf")
-    summary = profile_summary(profile, config.profile)
+    summary = profile_summary(profile, config.profile, config.cpu_scale)
 
     def write(partial: bool) -> None:
         # after every run: a projection that is stopped leaves what it finished
@@ -110,7 +114,7 @@ def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -
                 if method in skipped:
                     continue
                 engine = build_engine(method, workload, config.k, profile, config.threads,
-                                      int(config.flush_mb * (1 << 20)))
+                                      int(config.flush_mb * (1 << 20)), cpu_scale=config.cpu_scale)
                 records = []
                 try:
                     for phase in workload.phases:

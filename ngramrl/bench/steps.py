@@ -44,16 +44,20 @@ from ngramrl.engine.standin import StandInRunner
 
 class VirtualClock:
     """Simulated time in nanoseconds: it stands still, except while CPU work runs under
-    ``running`` (then it moves with real time) and when ``advance`` adds a simulated span."""
+    ``running`` (then it moves with real time, times ``cpu_scale``: a CPU that much slower or
+    faster than this one) and when ``advance`` adds a simulated span."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_scale: float = 1.0) -> None:
+        if cpu_scale < 0:
+            raise ValueError(f"cpu_scale must be >= 0, got {cpu_scale}")
+        self.cpu_scale = cpu_scale
         self._base = 0
         self._since: int | None = None
 
     def __call__(self) -> int:
         if self._since is None:
             return self._base
-        return self._base + time.perf_counter_ns() - self._since
+        return self._base + int(self.cpu_scale * (time.perf_counter_ns() - self._since))
 
     def advance(self, seconds: float) -> None:
         self._base += int(round(seconds * 1e9))
@@ -64,7 +68,7 @@ class VirtualClock:
         try:
             yield
         finally:
-            self._base += time.perf_counter_ns() - self._since
+            self._base += int(self.cpu_scale * (time.perf_counter_ns() - self._since))
             self._since = None
 
 
@@ -144,7 +148,7 @@ class StepRecord:
     committed: int       # tokens the step committed
     forward_s: float     # simulated
     host_s: float        # simulated host work per step
-    critical_ns: int     # the proposer's call, real time
+    critical_ns: int     # the proposer's call, real time (times the clock's cpu_scale)
     offpath_ns: int      # prefetch work during this step's forward, real time
 
     def seconds(self, synchronous: bool) -> float:
@@ -260,7 +264,7 @@ class SimulatedEngine:
                 with self.clock.running():
                     begin = time.perf_counter_ns()
                     drafts = self.proposer.propose(sampled, lengths, None)
-                    critical = time.perf_counter_ns() - begin
+                    critical = int(self.clock.cpu_scale * (time.perf_counter_ns() - begin))
                 returned = time.perf_counter()
                 if prefetch is not None:
                     offpath = prefetch.stats.busy_ns - busy  # what it did during this forward
@@ -342,10 +346,11 @@ def _seed_baseline(proposer: Any, rollouts: list[Rollout]) -> None:
 
 
 def build_engine(method: str, workload: Workload, k: int, times: StepTimes, threads: int = 1,
-                 flush_bytes: int = 32 << 20, config: Any = None) -> SimulatedEngine:
+                 flush_bytes: int = 32 << 20, config: Any = None, cpu_scale: float = 1.0) -> SimulatedEngine:
     """A simulated engine drafting with ``method``, its history the workload's earlier epochs.
     ``config``: the ``NgramRLConfig`` for the ngramrl methods (its prefetch and draft-thread
-    settings are set from the method and ``threads``)."""
+    settings are set from the method and ``threads``). ``cpu_scale``: the proposers' CPU time
+    counts this many times what it takes here (the engine host's CPU against this one)."""
     from dataclasses import replace
 
     from ngramrl.bench.proposers import PromptLookupProposer, SuffixProposer
@@ -355,7 +360,7 @@ def build_engine(method: str, workload: Workload, k: int, times: StepTimes, thre
 
     if method not in ENGINE_METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(ENGINE_METHODS)}")
-    clock = VirtualClock()
+    clock = VirtualClock(cpu_scale)
     seed: Callable[[Any, list[Rollout]], None] = _seed_baseline
     proposer: Any = None
     if method == "pld":

@@ -39,8 +39,8 @@ import numpy as np
 
 FEATURES = 4  # 1, requests, draft tokens past the plateau, any draft token
 # Knees (tokens a step holds before it gets dearer) the fit chooses among: 0 (no plateau), then
-# 4 to 8192 in steps of about 1.5x.
-KNEES = (0,) + tuple(sorted({int(base * 2 ** e) for e in range(2, 14) for base in (1.0, 1.5) if base * 2 ** e <= 8192}))
+# 4 to 8192 in steps of 2^(1/4) (about 19%).
+KNEES = (0,) + tuple(sorted({int(round(4 * 2 ** (i / 4))) for i in range(45)}))
 PLATEAU_GAIN = 0.2  # a knee is chosen only if it leaves this much less squared error than no plateau
 
 

@@ -154,11 +154,13 @@ class HostOverhead:
     """CPU work per engine step outside the forward (scheduling, input preparation, output
     processing). A synchronous scheduler (vLLM's, with n-gram-style drafters) runs it between
     forwards; an asynchronous one overlaps it with the previous forward. Engine-dependent: the
-    defaults are an assumption for vLLM on a current server CPU, not a measurement; profiles
-    measured inside an engine include it in their step times and set it to zero."""
+    defaults (0.8 ms at 100 requests) are an assumption for vLLM on a current server CPU, in line
+    with the few percent of an 8B-class step that asynchronous scheduling is reported to save, not
+    a measurement; profiles measured inside an engine include it in their step times and set it
+    to zero (docs/gpu.md)."""
 
-    base_ms: float = 0.3
-    per_request_ms: float = 0.002
+    base_ms: float = 0.5
+    per_request_ms: float = 0.003
 
     def __post_init__(self) -> None:
         if self.base_ms < 0 or self.per_request_ms < 0:
