@@ -14,6 +14,7 @@ reaches the engine process; ``RolloutEngine`` sets it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -235,10 +236,22 @@ class NgramRLProposer:
         next step's commits add the tokens: a worker woken for the inserts alone contends for the
         GIL with the engine's own Python, and measured 1.3% slower than synchronous drafting at 32
         requests in flight (docs/vllm.md)."""
-        if self.prefetch is None or not self._prefetches_next(len(rows)):
+        if self.prefetch is None or not self._prefetches_next(len(rows)) or not self._plan_fits(len(rows)):
             return
         self.prefetch.dispatch([(row.request, draft, self.k) for row, draft in zip(rows, drafts, strict=True)
                                 if row.k > 0], absorb=[row.request for row in rows])
+
+    def _plan_fits(self, rows: int) -> bool:
+        """Whether the worker can plan this many rows' prefetches within a forward. Planning is not
+        interrupted, so a plan longer than the forward makes the next step wait for it, slower than
+        drafting synchronously: a plan whose recent time per row times the rows exceeds half the
+        forward the step-cost model expects is not started (as a phase drains the batch shrinks,
+        and prefetching resumes where it fits)."""
+        plan = self.prefetch.stats.plan_ns
+        if not plan:
+            return True
+        recent = list(itertools.islice(reversed(plan), 64))
+        return statistics.median(recent) / 1e9 * rows <= 0.5 * self.cost.step_time(rows, 0)
 
     def _prefetches_next(self, rows: int) -> bool:
         """Whether next drafts are worth prefetching now: the next step will look them up."""

@@ -98,6 +98,27 @@ def test_lookups_back_off_when_they_cost_more_than_their_drafts_save(monkeypatch
         assert len(looked_up) <= lookups
 
 
+@pytest.mark.parametrize("plan_us", [10, 100_000])
+def test_prefetch_is_not_started_when_its_plan_would_outlast_the_forward(monkeypatch, plan_us):
+    # A 31 ms step of 2 requests; planning has taken plan_us per request lately.
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.0005, 0.0, 0.0), prefetch="on")
+    pattern = [100, 101, 102, 103, 104, 105]
+    proposer.history.add_rollout("p", [1, 2, 3], pattern * 100, epoch=0)
+    runner.add("r0", "p", [1, 2, 3])
+    runner.add("r1", "p", [1, 2, 3])
+    sent = []
+    dispatch = proposer.prefetch.dispatch
+    proposer.prefetch.dispatch = lambda *args, **kwargs: (sent.append(1), dispatch(*args, **kwargs))
+    for s in range(20):
+        proposer.prefetch.stats.plan_ns.append(plan_us * 1000)
+        step(proposer, runner, [pattern[s % 6]] * 2)
+    proposer.prefetch.collect()
+    if plan_us == 10:
+        assert len(sent) >= 10  # the steps that look up next
+    else:
+        assert sent == []  # 2 rows x 100 ms of planning: more than half a 31 ms forward
+
+
 def test_a_batch_half_the_size_looks_again_at_once(monkeypatch):
     proposer, runner, looked_up = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.001, 0.0))
     for r in range(4):
