@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -113,6 +114,7 @@ def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -
             for method in methods:
                 if method in skipped:
                     continue
+                began = time.perf_counter()
                 engine = build_engine(method, workload, config.k, profile, config.threads,
                                       int(config.flush_mb * (1 << 20)), cpu_scale=config.cpu_scale)
                 records = []
@@ -137,7 +139,8 @@ def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -
                 write(partial=True)
                 log(f"{os.path.basename(trace.path):<28} B={batch:<5} {method:<17} {run['rollout_seconds']:>9.3f} s  "
                     f"{run['speedup_vs_none'] or 0:>6.3f}x none  tok/fwd {run['tokens_per_forward']:>6.3f}  "
-                    f"steps {run['steps']:>6}  drafting {run['draft_ms_per_step']:>7.3f} ms/step")
+                    f"steps {run['steps']:>6}  drafting {run['draft_ms_per_step']:>7.3f} ms/step  "
+                    f"({time.perf_counter() - began:.0f} s here)")
     summary["fastest_step_ms"] = round(fastest, 4) if runs else None
     if profile.floor_ms is not None and runs and fastest < profile.floor_ms:
         log(f"project: WARNING: a step took {fastest:.3f} ms, less than reading the weights once at the device's "
