@@ -118,3 +118,18 @@ def test_project_writes_its_contract_json_and_says_it_is_a_projection(tmp_path, 
         assert ngramrl["rollout_seconds"] >= ngramrl["steps"] * data["profile"]["floor_ms"] / 1000
     # the repeated samples make ngramrl's drafts pay at batch 1, where verifying is nearly free
     assert runs[("ngramrl", 1)]["tokens_per_forward"] > 1.2 and runs[("ngramrl", 1)]["speedup_vs_none"] > 1.0
+
+
+def test_project_skips_a_method_whose_package_is_missing_and_says_so(tmp_path, capsys, monkeypatch):
+    import ngramrl.bench.project as project
+
+    monkeypatch.setattr(project, "method_available", lambda m: "arctic-inference is not installed"
+                        if m == "suffix" else None)
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    profile = tmp_path / "h100.json"
+    assert main(["profile-gpu", "--roofline", "h100", "--out", str(profile)]) == 0
+    out = tmp_path / "projection.json"
+    assert main(["project", trace, "--profile", str(profile), "--engine-batch", "2", "--method", "suffix", "pld",
+                 "--flush-mb", "0", "--json", str(out)]) == 0
+    assert "skipping suffix: arctic-inference is not installed" in capsys.readouterr().out
+    assert {r["method"] for r in json.loads(out.read_text())["runs"]} == {"none", "pld"}
