@@ -251,8 +251,8 @@ class SimulatedEngine:
             forward = self.times.forward_seconds(decode_rows, tokens, context / max(1, decode_rows), prefill)
             host = self.times.host.seconds(len(rows))
             self.clock.advance(forward + host if self.synchronous else max(forward, host))
-            if self._flush is not None:
-                self._flush.sum()  # the forward's memory traffic
+            if self._flush is not None and self.proposer is not None:
+                self._flush.sum()  # the forward's memory traffic (what it does to the proposer's data)
             critical = offpath = 0
             if prefetch is not None:
                 # The worker has had real time since the proposer's last call returned (this

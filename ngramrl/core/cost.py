@@ -23,9 +23,13 @@ rejected makes the step slower than it saves. The model:
   tokens are taken best first across the batch. Then the whole set is kept only if it beats
   verifying nothing, which saves ``per_verify``.
 - Both tests ask for a margin (``min_gain``, e.g. 10%): the fit and the survival chances are
-  estimates, and a draft that only breaks even on paper loses when either is a little off. So
-  speculation stays off unless it is clearly ahead, which is what keeps it from ever being
-  slower than no speculation at large batches.
+  estimates, and a draft that only breaks even on paper loses when either is a little off. A
+  token must survive with (1 + min_gain) times the chance that pays for it; the whole set is
+  kept only if it still beats verifying nothing with its expected tokens taken at 1 / (1 +
+  min_gain) and the time it adds at (1 + min_gain) times the fit's. So where verifying costs
+  something (CPUs, large batches) speculation stays off unless it is clearly ahead, which keeps
+  it from being slower than no speculation there, and where verifying is nearly free (a GPU's
+  plateau) any draft expected to bring tokens is verified.
 """
 
 from __future__ import annotations
@@ -216,7 +220,9 @@ def choose_draft_lengths(survival: Sequence[Sequence[float]], model: StepCostMod
         committed += chance
         time += cost
         taken += 1
-    if committed * plain_time <= demand * plain * time:  # verifying at all costs more than the drafts save
+    # The whole set must pay for verifying at all, its expected tokens taken at 1 / demand of
+    # their estimate and its added time at demand times the fit's.
+    if (plain + (committed - plain) / demand) * plain_time <= plain * (plain_time + demand * (time - plain_time)):
         return [0] * requests
     return lengths
 

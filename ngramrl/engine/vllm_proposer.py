@@ -154,9 +154,12 @@ class NgramRLProposer:
         self.calibration = AcceptanceCalibration(prefetch.prior_strength, prefetch.calibration_decay)
         self.follower = DraftFollower(self.calibration)  # learns from cut drafts too
         self._delivered = [0.0, 0.0]  # accepted vs expected verified draft tokens, recent steps weigh more
-        # This proposer's own time per row, in steps without lookups and with them (recent steps
-        # weigh more): on a synchronous engine's critical path, so lookups must pay for it too.
+        # This proposer's own time per row, in steps without lookups and with them, and the
+        # accepted tokens the drafts kept in lookup steps are expected to bring per row (recent
+        # steps weigh more): its time is on a synchronous engine's critical path, so lookups
+        # must pay for it too, on average.
         self._own_per_row: list[float | None] = [None, None]
+        self._yield_per_row: float | None = None
         self.cost = StepCostModel(self.config.engine.cost_decay)
         self._pending: dict[str, Draft] = {}   # drafts sent for verification in the last step
         self._verified_tokens = 0               # draft tokens the last step's forward verified
@@ -397,12 +400,15 @@ class NgramRLProposer:
             delivered = min(1.0, (self._delivered[0] + 8.0) / (self._delivered[1] + 8.0))
             scaled = [Survival(d.probs, self.calibration, delivered) for d in drafts]
             chosen = choose_draft_lengths(scaled, self.cost, engine.min_gain)
-            # The lookups are spent for this step; whether they paid for themselves decides the next
-            # steps' (a step that keeps drafts but gains less than its lookups cost backs them off).
+            # The lookups are spent for this step; whether lookups pay for themselves on average
+            # decides the next steps' (when the drafts kept lately bring less than the lookups
+            # cost, they back off as when every draft is cut).
+            gained = sum(sum(s[:n]) for s, n in zip(scaled, chosen, strict=True)) / len(drafts)
+            self._yield_per_row = (gained if self._yield_per_row is None
+                                   else 0.9 * self._yield_per_row + 0.1 * gained)
             plain, drafting = ((per_row or 0.0) * len(drafts) for per_row in self._own_per_row)
             paid = any(chosen) and drafting_pays(self.cost, len(drafts), sum(chosen),
-                                                 sum(sum(s[:n]) for s, n in zip(scaled, chosen, strict=True)),
-                                                 drafting, plain, engine.min_gain)
+                                                 self._yield_per_row * len(drafts), drafting, plain)
             if exploring and not any(chosen):
                 chosen = probe_lengths(survival, PROBE_TOKENS[self._probes % 2])
                 self._probes += 1

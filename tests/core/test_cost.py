@@ -176,3 +176,13 @@ def test_the_fit_with_its_plateau_is_carried_to_a_new_model():
     again = StepCostModel()
     again.load_state(model.state())
     assert again.knee == model.knee and again.coefficients == pytest.approx(model.coefficients)
+
+
+def test_nearly_free_verification_keeps_even_a_weak_draft():
+    # A GPU at batch 1: a draft token adds 1.8 us to a 5.5 ms step. A draft expected to bring 0.07
+    # tokens still pays; the margin applies to the estimates, not as a demand for a 10% faster step.
+    model = FixedStepCost(0.0055, 0.00001, 0.0000018, 0.0)
+    assert choose_draft_lengths([[0.05, 0.02]], model, min_gain=0.1) == [2]
+    # a CPU at 32 requests: one likely token (0.6) is not worth 2% more step time with the margins
+    cpu = FixedStepCost(0.026, 0.00236, 0.00186, 0.00006)
+    assert choose_draft_lengths([[0.6]] + [[]] * 31, cpu, min_gain=0.1) == [0] * 32
