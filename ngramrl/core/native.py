@@ -77,6 +77,11 @@ class NativeCore:
         """(states, tokens, sequences) of a prompt's index (None: the cross-prompt one); -1s when not built."""
         return tuple(self._core.index_shape("" if prompt_id is None else str(prompt_id)))
 
+    def timings(self) -> dict[str, int]:
+        """Nanoseconds spent in steps, background inserts, outcome planning and prefetch lookups, and
+        the rows each covered, since the core was made."""
+        return dict(self._core.timings())
+
     def memory_bytes(self) -> int:
         """Bytes the core's C++ structures hold (capacities plus the allocator's bookkeeping)."""
         return self._core.memory_bytes()

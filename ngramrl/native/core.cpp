@@ -12,6 +12,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -364,6 +365,7 @@ public:
     void step(const std::vector<int64_t>& handles, const Tokens& tokens, const std::vector<int64_t>& offsets,
               const std::vector<int32_t>& ks) {
         join();
+        const int64_t begin = now_ns();
         const size_t rows = handles.size();
         std::vector<Request*> reqs(rows);
         for (size_t i = 0; i < rows; ++i) reqs[i] = &get(handles[i]);
@@ -413,6 +415,13 @@ public:
                 lookup_from(r.index, r, nullptr, 0, r.ls, ks[i], global, drafts_[i]);
             }
         });
+        timings_["step_ns"] += now_ns() - begin;
+        timings_["step_rows"] += static_cast<int64_t>(rows);
+    }
+
+    std::map<std::string, int64_t> timings() {
+        join();
+        return timings_;
     }
 
     py::tuple step_result() const {
@@ -451,7 +460,12 @@ public:
         join();
         std::vector<Request*> reqs;
         for (int64_t h : handles) reqs.push_back(&get(h));
-        background_.submit([this, reqs] { absorb_rows(reqs); });
+        background_.submit([this, reqs] {
+            const int64_t begin = now_ns();
+            absorb_rows(reqs);
+            timings_["absorb_ns"] += now_ns() - begin;
+            timings_["absorb_rows"] += static_cast<int64_t>(reqs.size());
+        });
     }
 
     // ---- prefetch -------------------------------------------------------------------------
@@ -575,9 +589,18 @@ private:
     };
     std::vector<Prefetched> outcomes_;
     std::atomic<bool> cancel_{false};
+    // Time spent in each kind of work since the core was made (ns), and the rows it covered.
+    std::map<std::string, int64_t> timings_{{"step_ns", 0},         {"step_rows", 0},     {"absorb_ns", 0},
+                                            {"absorb_rows", 0},     {"plan_ns", 0},       {"plan_rows", 0},
+                                            {"prefetch_lookup_ns", 0}, {"prefetch_lookups", 0}};
     Background background_;  // last: joined before the members it uses are destroyed
 
     void join() { background_.wait(); }
+
+    static int64_t now_ns() {
+        return std::chrono::duration_cast<std::chrono::nanoseconds>(
+                   std::chrono::steady_clock::now().time_since_epoch()).count();
+    }
 
     Request& get(int64_t handle) {
         if (handle < 0 || handle >= static_cast<int64_t>(requests_.size()) || !requests_[handle])
@@ -758,6 +781,7 @@ private:
     void run_prefetch(const std::vector<Request*>& reqs, const Tokens& tokens, const std::vector<int64_t>& offsets,
                       const std::vector<double>& probs, int32_t k) {
         const AllocateConfig& alloc = prefetch_.allocate;
+        const int64_t begin = now_ns();
         Automaton* global = history_.built_global();
         if (alloc.budget <= 0 || (config_.use_global && global == nullptr)) return;
         std::vector<int32_t> rows;
@@ -805,6 +829,9 @@ private:
         });
         std::vector<std::vector<OutcomeOut>> chosen;
         allocate(candidates, keys, alloc, chosen);
+        const int64_t planned = now_ns();
+        timings_["plan_ns"] += planned - begin;
+        timings_["plan_rows"] += static_cast<int64_t>(rows.size());
         struct Job {
             int32_t row;
             size_t n;
@@ -834,6 +861,8 @@ private:
             cache_[CacheKey{r.handle, jobs[jn].outcome.accepted, jobs[jn].outcome.token}] = {found[jn], stamp(r)};
             outcomes_.push_back(Prefetched{jobs[jn].row, jobs[jn].outcome, std::move(found[jn])});
         }
+        timings_["prefetch_lookup_ns"] += now_ns() - planned;
+        timings_["prefetch_lookups"] += static_cast<int64_t>(outcomes_.size());
     }
 };
 
@@ -883,6 +912,7 @@ PYBIND11_MODULE(_native, m) {
         .def("rollout_count", &Core::rollout_count)
         .def("counters", &Core::counters)
         .def("index_shape", &Core::index_shape)
+        .def("timings", &Core::timings)
         .def("memory_bytes", &Core::memory_bytes, py::call_guard<py::gil_scoped_release>())
         .def("start",
              [](Core& c, const std::string& id, I32 prompt, I32 output, bool register_prompt) {
