@@ -104,9 +104,10 @@ def run_core(path: str, batch: int, k: int, threads: int, prefetch: bool, native
             r = waiting.pop(0)
             joined.append((core.start(r.prompt_id, r.prompt, [], register=True), r))
         drafts = core.step(handles, flat, offsets, ks) if handles else None
-        core.absorb(handles)
         if prefetch and drafts is not None:
-            core.prefetch(handles, drafts.tokens, drafts.offsets, drafts.probs, k)
+            core.prefetch(handles, drafts.tokens, drafts.offsets, drafts.probs, k, absorb=handles)
+        else:
+            core.absorb(handles)
         step_ns.append(clock() - begin)
         for i, h in enumerate(handles):
             live[h][2] = drafts.tokens[drafts.offsets[i]:drafts.offsets[i + 1]].tolist()
@@ -177,6 +178,38 @@ def run_suffix(path: str, batch: int, k: int, flush: np.ndarray) -> dict:
     return {"steps": len(step_ns), "tokens_per_forward": tokens / forwards, **_times(step_ns, forwards)}
 
 
+def replay_tokens_per_forward(path: str, k: int, native: bool) -> float:
+    """``ngramrl bench``'s replay (one rollout at a time, epochs >= 1 drafting from the earlier
+    epochs, a replayed rollout dropped when it ends) through the core: its tokens per forward
+    must be the bench's ngramrl figure."""
+    from ngramrl.bench.replay import accepted_prefix
+
+    trace = read_trace(path)
+    core = make_core(HistoryConfig(), DrafterConfig(stop_tokens=tuple(sorted(trace.header.eos_token_ids))),
+                     PrefetchConfig(), native=native)
+    tokens = forwards = 0
+    for epoch in sorted({r.epoch for r in trace.rollouts}):
+        rollouts = [r for r in trace.rollouts if r.epoch == epoch]
+        if epoch >= 1:
+            for r in rollouts:
+                h = core.start(r.prompt_id, r.prompt)
+                position, committed = 0, []
+                while position < len(r.output):
+                    drafts = core.step([h], committed, [0, len(committed)], [k])
+                    draft = drafts.tokens.tolist()
+                    core.absorb([h])
+                    accepted = accepted_prefix(draft[:k], r.output[position:])
+                    committed = r.output[position:position + accepted + 1]
+                    position += len(committed)
+                    forwards += 1
+                tokens += len(r.output)
+                core.step([h], committed, [0, len(committed)], [0])  # the last commit, then the end
+                core.finish(h)
+        for r in rollouts:
+            core.add_rollout(r.prompt_id, r.prompt, r.output, r.epoch)
+    return tokens / forwards
+
+
 def _times(step_ns: list[int], request_steps: int) -> dict:
     ordered = sorted(step_ns)
     return {"step_us_median": statistics.median(step_ns) / 1e3, "step_us_mean": statistics.fmean(step_ns) / 1e3,
@@ -194,6 +227,8 @@ def main() -> None:
     parser.add_argument("--method", nargs="+", default=["core", "core-sync", "suffix"],
                         choices=["core", "core-sync", "reference", "suffix"])
     parser.add_argument("--json", help="write the runs here")
+    parser.add_argument("--replay-k", type=int, nargs="*", default=[],
+                        help="also replay each trace as ngramrl bench does at these k (tokens per forward)")
     args = parser.parse_args()
     flush = np.ones(8_000_000, dtype=np.float32)  # 32 MB
     runs = []
@@ -210,9 +245,16 @@ def main() -> None:
                 runs.append(run)
                 print(" ".join(f"{key} {value:.2f}" if isinstance(value, float) else f"{key} {value}"
                                for key, value in run.items()), flush=True)
+    replays = []
+    for path in args.traces:
+        for k in args.replay_k:
+            tpf = round(replay_tokens_per_forward(path, k, True), 4)
+            replays.append({"trace": path, "k": k, "tokens_per_forward": tpf})
+            print(f"replay {path} k {k} tokens_per_forward {replays[-1]['tokens_per_forward']}", flush=True)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"core_step_time": 1, "k": args.k, "budget": args.budget, "runs": runs}, handle, indent=1)
+            json.dump({"core_step_time": 1, "k": args.k, "budget": args.budget, "runs": runs, "replay": replays},
+                      handle, indent=1)
 
 
 if __name__ == "__main__":

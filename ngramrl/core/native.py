@@ -110,12 +110,12 @@ class NativeCore:
                                                                    int(k))
         return Draft(tokens, probs, matched, SOURCES[source])
 
-    def prefetch(self, handles: Any, tokens: Any, offsets: Any, probs: Any, k: int) -> None:
+    def prefetch(self, handles: Any, tokens: Any, offsets: Any, probs: Any, k: int, absorb: Any = ()) -> None:
         handles, tokens, offsets = as_rows(handles, tokens, offsets)
         probs = np.ascontiguousarray(probs, dtype=np.float64).reshape(-1)
         if len(probs) != len(tokens):
             raise ValueError(f"{len(probs)} probabilities for {len(tokens)} draft tokens")
-        self._core.prefetch(handles, tokens, offsets, probs, int(k))
+        self._core.prefetch(handles, tokens, offsets, probs, int(k), np.ascontiguousarray(absorb, dtype=np.int64))
 
     def collect(self, cancel: bool = False) -> OutcomeBatch:
         """Wait for the background work (``cancel``: stop the prefetch lookups not yet started) and

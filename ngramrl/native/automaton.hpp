@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -48,7 +47,7 @@ public:
 
     struct KidList {
         std::vector<std::pair<int32_t, int32_t>> items;  // (token, target), insertion order
-        std::unique_ptr<std::unordered_map<int32_t, int32_t>> where;  // token -> position, when large
+        std::vector<int32_t> where;  // open addressing, token -> position + 1 (0: empty), once large
         // The ranking's head for a state with many continuations, read by the outcome model;
         // valid while followed (which grows with every continuation) is what it was.
         std::vector<std::pair<int32_t, int32_t>> top;
@@ -56,7 +55,37 @@ public:
     };
 
     static constexpr size_t kHashFrom = 12;
-    static constexpr size_t kRankCacheFrom = 48;
+
+    static size_t slot_of(int32_t token, size_t mask) { return (static_cast<uint32_t>(token) * 2654435761u) & mask; }
+
+    // Position of ``token`` in a KidList's items, or -1.
+    static int32_t position(const KidList& kl, int32_t token) {
+        if (!kl.where.empty()) {
+            const size_t mask = kl.where.size() - 1;
+            for (size_t at = slot_of(token, mask);; at = (at + 1) & mask) {
+                const int32_t p = kl.where[at];
+                if (p == 0) return -1;
+                if (kl.items[p - 1].first == token) return p - 1;
+            }
+        }
+        for (size_t i = 0; i < kl.items.size(); ++i)
+            if (kl.items[i].first == token) return static_cast<int32_t>(i);
+        return -1;
+    }
+
+    static void index_kids(KidList& kl) {
+        size_t size = 32;
+        while (size < 2 * kl.items.size()) size *= 2;
+        kl.where.assign(size, 0);
+        const size_t mask = size - 1;
+        for (size_t i = 0; i < kl.items.size(); ++i) {
+            size_t at = slot_of(kl.items[i].first, mask);
+            while (kl.where[at] != 0) at = (at + 1) & mask;
+            kl.where[at] = static_cast<int32_t>(i) + 1;
+        }
+    }
+    static constexpr size_t kRankCacheFrom = 8;
+    static constexpr size_t kRankCacheSize = 24;  // entries cached: the outcome model reads budget + 1
 
     const uint64_t serial;
     int64_t num_tokens = 0;
@@ -75,13 +104,8 @@ public:
         const State& s = states_[state];
         if (s.kids < 0) return s.best_token == token ? s.best_state : -1;
         const KidList& kl = kids_[s.kids];
-        if (kl.where) {
-            auto it = kl.where->find(token);
-            return it == kl.where->end() ? -1 : kl.items[it->second].second;
-        }
-        for (const auto& item : kl.items)
-            if (item.first == token) return item.second;
-        return -1;
+        const int32_t at = position(kl, token);
+        return at < 0 ? -1 : kl.items[at].second;
     }
 
     // Number of distinct continuations.
@@ -184,7 +208,7 @@ public:
             std::lock_guard<std::mutex> lock(rank_mutex_);
             KidList& cache = const_cast<KidList&>(kl);
             if (cache.top_stamp != s.followed || cache.top.size() < std::min(m, kl.items.size())) {
-                rank_into(kl, std::max<size_t>(m, 32), cache.top);
+                rank_into(kl, std::max(m, kRankCacheSize), cache.top);
                 cache.top_stamp = s.followed;
             }
             out.assign(cache.top.begin(), cache.top.begin() + std::min(m, cache.top.size()));
@@ -200,10 +224,7 @@ public:
         for (const auto& kl : kids_) {
             bytes += kl.items.capacity() * sizeof(kl.items[0]) + (kl.items.capacity() ? kHeap : 0);
             bytes += kl.top.capacity() * sizeof(kl.top[0]) + (kl.top.capacity() ? kHeap : 0);
-            if (kl.where) {
-                // a node per entry (next pointer, key, value, cached hash) and the bucket array
-                bytes += kl.where->size() * (32 + kHeap) + kl.where->bucket_count() * sizeof(void*) + 56 + kHeap;
-            }
+            bytes += kl.where.capacity() * sizeof(int32_t) + (kl.where.capacity() ? kHeap : 0);
         }
         return bytes;
     }
@@ -236,7 +257,7 @@ private:
         if (src.kids >= 0) {
             KidList copy;
             copy.items = kids_[src.kids].items;
-            if (kids_[src.kids].where) copy.where = std::make_unique<std::unordered_map<int32_t, int32_t>>(*kids_[src.kids].where);
+            copy.where = kids_[src.kids].where;
             kids_.push_back(std::move(copy));
             states_[c].kids = static_cast<int32_t>(kids_.size()) - 1;
         }
@@ -254,23 +275,18 @@ private:
         State& s = states_[state];
         if (s.kids >= 0) {
             KidList& kl = kids_[s.kids];
-            int32_t at = -1;
-            if (kl.where) {
-                auto it = kl.where->find(token);
-                if (it != kl.where->end()) at = it->second;
-            } else {
-                for (size_t i = 0; i < kl.items.size(); ++i)
-                    if (kl.items[i].first == token) { at = static_cast<int32_t>(i); break; }
-            }
+            const int32_t at = position(kl, token);
             if (at >= 0) {
                 kl.items[at].second = target;
             } else {
                 kl.items.emplace_back(token, target);
-                if (kl.where) {
-                    (*kl.where)[token] = static_cast<int32_t>(kl.items.size()) - 1;
+                if (!kl.where.empty() && 2 * kl.items.size() <= kl.where.size()) {
+                    const size_t mask = kl.where.size() - 1;
+                    size_t slot = slot_of(token, mask);
+                    while (kl.where[slot] != 0) slot = (slot + 1) & mask;
+                    kl.where[slot] = static_cast<int32_t>(kl.items.size());
                 } else if (kl.items.size() > kHashFrom) {
-                    kl.where = std::make_unique<std::unordered_map<int32_t, int32_t>>();
-                    for (size_t i = 0; i < kl.items.size(); ++i) (*kl.where)[kl.items[i].first] = static_cast<int32_t>(i);
+                    index_kids(kl);
                 }
             }
             if (s.best_token == token) s.best_state = target;

@@ -198,10 +198,14 @@ struct Stamp {
 struct CacheKey {
     int64_t handle;
     int32_t accepted, token;
-    bool operator<(const CacheKey& o) const {
-        if (handle != o.handle) return handle < o.handle;
-        if (accepted != o.accepted) return accepted < o.accepted;
-        return token < o.token;
+    bool operator==(const CacheKey& o) const { return handle == o.handle && accepted == o.accepted && token == o.token; }
+};
+
+struct CacheKeyHash {
+    size_t operator()(const CacheKey& k) const {
+        uint64_t h = static_cast<uint64_t>(k.handle) * 0x9E3779B97F4A7C15ull;
+        h ^= (static_cast<uint64_t>(static_cast<uint32_t>(k.token)) << 20) ^ static_cast<uint32_t>(k.accepted);
+        return static_cast<size_t>(h * 0xBF58476D1CE4E5B9ull >> 17);
     }
 };
 
@@ -228,7 +232,7 @@ public:
     Core(const HistoryConfig& history, const DrafterConfig& drafter, const PrefetchConfig& prefetch,
          double prior_strength, double calibration_decay, int threads)
         : history_(history), config_(drafter), prefetch_(prefetch), calibration_(prior_strength, calibration_decay),
-          pool_(threads) {}
+          pool_(threads), background_pool_(std::max(1, threads - 1)) {}
 
     ~Core() { background_.wait(); }
 
@@ -371,7 +375,7 @@ public:
         for (size_t i = 0; i < rows; ++i) reqs[i] = &get(handles[i]);
         bool any_k = false;
         for (int32_t k : ks) any_k = any_k || k > 0;
-        if (any_k) absorb_rows(reqs);
+        if (any_k) absorb_rows(reqs, pool_);
         // Commits, on this thread in row order: they may rebuild an index and touch the LRU order.
         drafts_.resize(rows);
         hits_.assign(rows, 0);
@@ -388,8 +392,8 @@ public:
             commit(r, committed);
             if (!committed.empty() && r.known) {
                 auto it = cache_.find(CacheKey{r.handle, static_cast<int32_t>(committed.size()) - 1, committed.back()});
-                if (it != cache_.end() && it->second.second == stamp(r)) {
-                    drafts_[i] = it->second.first;
+                if (it != cache_.end() && outcomes_[it->second].stamp == stamp(r)) {
+                    drafts_[i] = outcomes_[it->second].draft;
                     truncate(drafts_[i], ks[i]);
                     hits_[i] = 1;
                     continue;
@@ -456,29 +460,36 @@ public:
     }
 
     // The rows' committed tokens enter their prompts' indexes, in the background.
+    // (Queued behind any background work, without waiting for it: requests_ only grows and
+    // changes on this thread, so the handles can be resolved here.)
     void absorb(const std::vector<int64_t>& handles) {
-        join();
         std::vector<Request*> reqs;
         for (int64_t h : handles) reqs.push_back(&get(h));
-        background_.submit([this, reqs] {
-            const int64_t begin = now_ns();
-            absorb_rows(reqs);
-            timings_["absorb_ns"] += now_ns() - begin;
-            timings_["absorb_rows"] += static_cast<int64_t>(reqs.size());
-        });
+        background_.submit([this, reqs] { timed_absorb(reqs); });
+    }
+
+    void timed_absorb(const std::vector<Request*>& reqs) {
+        const int64_t begin = now_ns();
+        absorb_rows(reqs, background_pool_);
+        timings_["absorb_ns"] += now_ns() - begin;
+        timings_["absorb_rows"] += static_cast<int64_t>(reqs.size());
     }
 
     // ---- prefetch -------------------------------------------------------------------------
 
+    // ``absorb_first``: rows whose committed tokens enter the index first (absorb, in the same job:
+    // one wake-up of the background thread).
     void prefetch(const std::vector<int64_t>& handles, const Tokens& tokens, const std::vector<int64_t>& offsets,
-                  const std::vector<double>& probs, int32_t k) {
-        join();
-        std::vector<Request*> reqs;
+                  const std::vector<double>& probs, int32_t k, const std::vector<int64_t>& absorb_first) {
+        std::vector<Request*> reqs, first;
         for (int64_t h : handles) reqs.push_back(&get(h));
-        cache_.clear();
-        outcomes_.clear();
-        cancel_.store(false);
-        background_.submit([this, reqs, tokens, offsets, probs, k] { run_prefetch(reqs, tokens, offsets, probs, k); });
+        for (int64_t h : absorb_first) first.push_back(&get(h));
+        background_.submit([this, reqs, first, tokens, offsets, probs, k] {
+            if (!first.empty()) timed_absorb(first);
+            cache_.clear();
+            outcomes_.clear();
+            run_prefetch(reqs, tokens, offsets, probs, k);
+        });
     }
 
     // Stop (cancel) or finish the background work; the outcomes the last prefetch looked up.
@@ -576,17 +587,20 @@ private:
     const DrafterConfig config_;
     const PrefetchConfig prefetch_;
     Calibration calibration_;
-    ThreadPool pool_;
+    ThreadPool pool_;             // a step's work: the calling thread and threads - 1 others
+    ThreadPool background_pool_;  // background work: the background thread and threads - 2 others, so
+                                  // that a core stays with the thread that runs the forward meanwhile
     std::vector<std::unique_ptr<Request>> requests_;
     std::vector<DraftOut> drafts_;
     std::vector<uint8_t> hits_;
     std::vector<int32_t> lookups_;
-    std::map<CacheKey, std::pair<DraftOut, Stamp>> cache_;
     struct Prefetched {
         int32_t row;
         OutcomeOut outcome;
         DraftOut draft;
+        Stamp stamp;  // what its lookup read
     };
+    std::unordered_map<CacheKey, int32_t, CacheKeyHash> cache_;  // -> index into outcomes_
     std::vector<Prefetched> outcomes_;
     std::atomic<bool> cancel_{false};
     // Time spent in each kind of work since the core was made (ns), and the rows it covered.
@@ -688,7 +702,7 @@ private:
     }
 
     // absorb for many rows: in row order within a prompt, prompts in parallel.
-    void absorb_rows(const std::vector<Request*>& reqs) {
+    void absorb_rows(const std::vector<Request*>& reqs, ThreadPool& pool) {
         std::vector<std::pair<Prompt*, std::vector<Request*>>> groups;
         std::unordered_map<Prompt*, size_t> group_of;
         for (Request* r : reqs) {
@@ -707,7 +721,7 @@ private:
                 groups[it->second].second.push_back(r);
             }
         }
-        pool_.run(groups.size(), [&](size_t g) {
+        pool.run(groups.size(), [&](size_t g) {
             for (Request* r : groups[g].second) absorb_into(*r, groups[g].first);
         });
     }
@@ -790,10 +804,15 @@ private:
         // The outcome model, per row: reads only.
         std::vector<std::vector<OutcomeOut>> candidates(rows.size());
         std::vector<int64_t> keys(rows.size());
-        constexpr size_t kChunk = 4;
-        pool_.run((rows.size() + kChunk - 1) / kChunk, [&](size_t c) {
-            std::vector<double> chances;
-            for (size_t n = c * kChunk; n < std::min(rows.size(), (c + 1) * kChunk); ++n) {
+        // One row per task: a cancel (the next step is here) waits for one row at most.
+        std::atomic<bool> cancelled{false};
+        background_pool_.run(rows.size(), [&](size_t c) {
+            if (cancel_.load(std::memory_order_relaxed)) {
+                cancelled.store(true, std::memory_order_relaxed);
+                return;
+            }
+            thread_local std::vector<double> chances;
+            for (size_t n = c; n < c + 1; ++n) {
                 const int32_t i = rows[n];
                 const Request& r = *reqs[i];
                 keys[n] = r.handle;
@@ -827,6 +846,7 @@ private:
                                  prefetch_.levels, candidates[n]);
             }
         });
+        if (cancelled.load()) return;  // a budget allocated over part of the batch is not the reference's
         std::vector<std::vector<OutcomeOut>> chosen;
         allocate(candidates, keys, alloc, chosen);
         const int64_t planned = now_ns();
@@ -842,7 +862,7 @@ private:
             for (const auto& o : chosen[n]) jobs.push_back(Job{rows[n], n, o});
         std::vector<DraftOut> found(jobs.size());
         std::vector<uint8_t> done(jobs.size(), 0);
-        pool_.run(jobs.size(), [&](size_t jn) {
+        background_pool_.run(jobs.size(), [&](size_t jn) {
             if (cancel_.load(std::memory_order_relaxed)) return;
             const Job& job = jobs[jn];
             const Request& r = *reqs[job.row];
@@ -855,11 +875,14 @@ private:
             lookup_from(r.index, r, after.data(), after.size(), probe, k, global, found[jn]);
             done[jn] = 1;
         });
+        outcomes_.reserve(jobs.size());
+        cache_.reserve(jobs.size());
         for (size_t jn = 0; jn < jobs.size(); ++jn) {
             if (!done[jn]) continue;
             const Request& r = *reqs[jobs[jn].row];
-            cache_[CacheKey{r.handle, jobs[jn].outcome.accepted, jobs[jn].outcome.token}] = {found[jn], stamp(r)};
-            outcomes_.push_back(Prefetched{jobs[jn].row, jobs[jn].outcome, std::move(found[jn])});
+            cache_[CacheKey{r.handle, jobs[jn].outcome.accepted, jobs[jn].outcome.token}] =
+                static_cast<int32_t>(outcomes_.size());
+            outcomes_.push_back(Prefetched{jobs[jn].row, jobs[jn].outcome, std::move(found[jn]), stamp(r)});
         }
         timings_["prefetch_lookup_ns"] += now_ns() - planned;
         timings_["prefetch_lookups"] += static_cast<int64_t>(outcomes_.size());
@@ -945,13 +968,14 @@ PYBIND11_MODULE(_native, m) {
                  c.absorb(h);
              })
         .def("prefetch",
-             [](Core& c, I64 handles, I32 tokens, I64 offsets, F64 probs, int32_t k) {
+             [](Core& c, I64 handles, I32 tokens, I64 offsets, F64 probs, int32_t k, I64 absorb_first) {
                  auto h = from_array(handles);
                  auto t = from_array(tokens);
                  auto o = from_array(offsets);
                  auto p = from_array(probs);
+                 auto a = from_array(absorb_first);
                  py::gil_scoped_release release;
-                 c.prefetch(h, t, o, p, k);
+                 c.prefetch(h, t, o, p, k, a);
              })
         .def("collect", &Core::collect)
         .def("observe",

@@ -114,18 +114,44 @@ inline void token_distribution(const SourceMatch* sources, size_t num_sources, i
             state = a[state].link;
         }
     }
-    // Sum each token's contributions in the order they came (the reference's dict updates).
-    order.resize(parts.size());
-    for (size_t i = 0; i < parts.size(); ++i) order[i] = static_cast<int32_t>(i);
-    std::stable_sort(order.begin(), order.end(),
-                     [](int32_t x, int32_t y) { return parts[x].first < parts[y].first; });
-    out.clear();
-    for (size_t i = 0; i < order.size();) {
-        const int32_t token = parts[order[i]].first;
-        double sum = 0.0;
-        for (; i < order.size() && parts[order[i]].first == token; ++i) sum = sum + parts[order[i]].second;
-        if (sum > floor) out.emplace_back(sum, token);
+    // Sum each token's contributions in the order they came (the reference's dict updates), in a
+    // small open-addressing table (generation-stamped, so it is never cleared).
+    thread_local std::vector<int32_t> slot_token, slot_sum_at;
+    thread_local std::vector<uint32_t> slot_gen;
+    thread_local uint32_t gen = 0;
+    thread_local std::vector<double> sums;
+    size_t size = 64;
+    while (size < 2 * parts.size()) size *= 2;
+    if (slot_gen.size() < size) {
+        slot_token.assign(size, 0);
+        slot_sum_at.assign(size, 0);
+        slot_gen.assign(size, 0);
+    } else {
+        size = slot_gen.size();
     }
+    if (++gen == 0) {
+        std::fill(slot_gen.begin(), slot_gen.end(), 0);
+        gen = 1;
+    }
+    sums.clear();
+    order.clear();  // the tokens, in first-seen order
+    const size_t mask = size - 1;
+    for (const auto& part : parts) {
+        size_t at = (static_cast<uint32_t>(part.first) * 2654435761u) & mask;
+        while (slot_gen[at] == gen && slot_token[at] != part.first) at = (at + 1) & mask;
+        if (slot_gen[at] != gen) {
+            slot_gen[at] = gen;
+            slot_token[at] = part.first;
+            slot_sum_at[at] = static_cast<int32_t>(sums.size());
+            sums.push_back(0.0);
+            order.push_back(part.first);
+        }
+        double& sum = sums[slot_sum_at[at]];
+        sum = sum + part.second;
+    }
+    out.clear();
+    for (size_t i = 0; i < sums.size(); ++i)
+        if (sums[i] > floor) out.emplace_back(sums[i], order[i]);
     std::sort(out.begin(), out.end(), [](const std::pair<double, int32_t>& x, const std::pair<double, int32_t>& y) {
         return x.first != y.first ? x.first > y.first : x.second > y.second;
     });

@@ -298,10 +298,8 @@ def trace_run(path: str, batch: int, limit: int, threads: int) -> int:
         ks = [8] * len(handles)
         a, b = ref.step(handles, flat, offsets, ks), nat.step(handles, flat, offsets, ks)
         same_drafts(a, b, f"{os.path.basename(path)} step {steps}")
-        ref.absorb(handles)
-        nat.absorb(handles)
-        ref.prefetch(handles, a.tokens, a.offsets, a.probs, 8)
-        nat.prefetch(handles, b.tokens, b.offsets, b.probs, 8)
+        ref.prefetch(handles, a.tokens, a.offsets, a.probs, 8, absorb=handles)  # inserts first, one job
+        nat.prefetch(handles, b.tokens, b.offsets, b.probs, 8, absorb=handles)
         same_outcomes(ref.collect(), nat.collect(), f"{os.path.basename(path)} step {steps}")
         for i, h in enumerate(handles):
             live[h][2] = a.draft(i).tokens
