@@ -66,10 +66,8 @@ def replay(trace_path: str, batch: int, k: int, regime: str, prefetch: str, flus
     last = max(r.epoch for r in rollouts)
     for r in rollouts:
         if r.epoch < last:
-            proposer.history.add_rollout(r.prompt_id, r.prompt, r.output, epoch=r.epoch)
-    for prompt_id in proposer.history.prompt_ids():  # built now, not in the timed steps
-        proposer.history.index_of(prompt_id)
-    proposer.history.global_index()
+            proposer.core.add_rollout(r.prompt_id, r.prompt, r.output, epoch=r.epoch)
+    proposer.core.build_indexes()  # now, not in the timed steps
     waiting = [r for r in rollouts if r.epoch == last]
     live, position, drafts, times = {}, {}, {}, []
     kept = 0
@@ -100,8 +98,7 @@ def replay(trace_path: str, batch: int, k: int, regime: str, prefetch: str, flus
             if position[req_id] >= len(live[req_id].output):
                 runner.remove(req_id)
                 del live[req_id]
-    if proposer.prefetch is not None:
-        proposer.prefetch.collect()
+    proposer.core.collect()
     return {"median_us": statistics.median(times) / 1000, "mean_us": statistics.fmean(times) / 1000,
             "steps": len(times), "kept_tokens": kept, "row_steps": proposer.stats.row_steps}
 

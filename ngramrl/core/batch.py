@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -333,8 +334,8 @@ class ReferenceCore:
         candidates, drafts = {}, {}
         for i, handle in enumerate(handles.tolist()):
             request = self._request(handle)
-            begin, end = int(offsets[i]), int(offsets[i + 1])
-            if begin == end or not config.budget or not self._readable(request) or needs_global:
+            begin, end = int(offsets[i]), int(offsets[i + 1])  # an empty draft: the outcome is the next token
+            if not config.budget or not self._readable(request) or needs_global:
                 continue
             draft = Draft(tokens[begin:end].tolist(), probs[begin:end].tolist())
             drafts[handle] = (i, draft)
@@ -399,6 +400,35 @@ def _ints(values: Any) -> list[int]:
     return np.asarray(values, dtype=np.int64).reshape(-1).tolist() if not isinstance(values, list) else list(values)
 
 
+class MirroredCalibration(AcceptanceCalibration):
+    """The acceptance calibration a consumer reads (the cost model's survival chances) and the one
+    inside a core (its outcome model) kept equal: observations are applied here at once and sent
+    to the core in one call at ``sync`` (before the core's next prefetch), in the same order, so
+    both tables go through the same arithmetic."""
+
+    def __init__(self, core: DraftingCore, prior_strength: float = 4.0, decay: float = 1.0) -> None:
+        super().__init__(prior_strength, decay)
+        self.core = core
+        self._unsent: list[tuple[list[float], int]] = []
+
+    def observe(self, probs: list[float], accepted: int) -> None:
+        super().observe(probs, accepted)
+        self._unsent.append((list(probs), int(accepted)))
+
+    def sync(self) -> None:
+        if not self._unsent:
+            return
+        offsets = np.zeros(len(self._unsent) + 1, dtype=np.int64)
+        np.cumsum([len(p) for p, _ in self._unsent], out=offsets[1:])
+        self.core.observe([x for p, _ in self._unsent for x in p], offsets, [a for _, a in self._unsent])
+        self._unsent = []
+
+    def load_state(self, state: list[list[float]]) -> None:
+        super().load_state(state)
+        self._unsent = []
+        self.core.load_calibration_state(state)
+
+
 _native_warned = False
 
 
@@ -406,6 +436,8 @@ def native_module() -> Any | None:
     """The compiled core, or None (one logged line the first time) when it is not built."""
     global _native_warned
     try:
+        if os.environ.get("NGRAMRL_NATIVE") == "0":
+            raise ImportError("NGRAMRL_NATIVE=0")
         from ngramrl import _native
     except ImportError as err:
         if not _native_warned:

@@ -800,7 +800,7 @@ private:
         if (alloc.budget <= 0 || (config_.use_global && global == nullptr)) return;
         std::vector<int32_t> rows;
         for (size_t i = 0; i < reqs.size(); ++i)
-            if (offsets[i + 1] > offsets[i] && readable(*reqs[i])) rows.push_back(static_cast<int32_t>(i));
+            if (readable(*reqs[i])) rows.push_back(static_cast<int32_t>(i));  // empty drafts too: b is the next token
         // The outcome model, per row: reads only.
         std::vector<std::vector<OutcomeOut>> candidates(rows.size());
         std::vector<int64_t> keys(rows.size());
