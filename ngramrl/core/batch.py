@@ -47,9 +47,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
+from ngramrl.core.cost import choose_draft_lengths, probe_lengths
 from ngramrl.core.drafter import EMPTY, Draft, MatchState, NgramDrafter, RequestState, advance
 from ngramrl.core.history import RolloutHistory
-from ngramrl.core.outcome import AcceptanceCalibration, allocate, predict_for
+from ngramrl.core.outcome import AcceptanceCalibration, Survival, allocate, predict_for
 
 logger = logging.getLogger(__name__)
 
@@ -383,6 +384,11 @@ class ReferenceCore:
             out.extend(self.calibration.chances(probs[offsets[i]:offsets[i + 1]]))
         return np.array(out, dtype=np.float64)
 
+    def lengths(self, probs: Any, offsets: Any, scale: float, coefficients: tuple[float, float, float, float],
+                min_gain: float, adaptive: bool = True, probe_tokens: int = 0) -> tuple[np.ndarray, float, bool, bool]:
+        """How many leading tokens of each draft to verify (``choose_lengths``) from this core's calibration."""
+        return choose_lengths(self.calibration, probs, offsets, scale, coefficients, min_gain, adaptive, probe_tokens)
+
     def calibration_state(self) -> list[list[float]]:
         return self.calibration.state()
 
@@ -394,6 +400,40 @@ class ReferenceCore:
 
     def close(self) -> None:
         pass
+
+
+class _Coefficients:
+    def __init__(self, coefficients: tuple[float, float, float, float]) -> None:
+        self.coefficients = tuple(coefficients)
+
+
+def choose_lengths(calibration: AcceptanceCalibration, probs: Any, offsets: Any, scale: float,
+                   coefficients: tuple[float, float, float, float], min_gain: float, adaptive: bool = True,
+                   probe_tokens: int = 0) -> tuple[np.ndarray, float, bool, bool]:
+    """How many leading tokens of each draft (flat ``probs``, one row per ``offsets`` pair) to verify:
+    all of them (not ``adaptive``), or what the step-cost model with ``coefficients`` (base, per
+    request, per draft token, per verifying step) says pays off on the calibrated survival chances
+    scaled by ``scale`` (``cost.choose_draft_lengths``); when it keeps nothing and ``probe_tokens``
+    > 0, the batch's ``probe_tokens`` likeliest tokens (``cost.probe_lengths``). Returns the lengths,
+    the accepted tokens the unscaled chances expect of them, whether the cost model kept a token,
+    and whether a probe chose."""
+    probs = np.asarray(probs, dtype=np.float64).tolist()
+    offsets = np.asarray(offsets, dtype=np.int64).tolist()
+    rows = [probs[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+    if not any(rows):
+        return np.zeros(len(rows), dtype=np.int32), 0.0, False, False
+    survival = [Survival(p, calibration) for p in rows]
+    probed = False
+    if not adaptive:
+        chosen, paid = [len(p) for p in rows], True
+    else:
+        chosen = choose_draft_lengths([Survival(p, calibration, scale) for p in rows], _Coefficients(coefficients),
+                                      min_gain)
+        paid = any(chosen)
+        if probe_tokens > 0 and not paid:
+            chosen, probed = probe_lengths(survival, probe_tokens), True
+    expected = sum(sum(s[:n]) for s, n in zip(survival, chosen, strict=True))
+    return np.array(chosen, dtype=np.int32), float(expected), paid, probed
 
 
 def _ints(values: Any) -> list[int]:

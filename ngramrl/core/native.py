@@ -133,6 +133,13 @@ class NativeCore:
     def chances(self, probs: Any, offsets: Any) -> np.ndarray:
         return self._core.chances(np.asarray(probs, dtype=np.float64), np.asarray(offsets, dtype=np.int64))
 
+    def lengths(self, probs: Any, offsets: Any, scale: float, coefficients: tuple[float, float, float, float],
+                min_gain: float, adaptive: bool = True, probe_tokens: int = 0) -> tuple[np.ndarray, float, bool, bool]:
+        """``ngramrl.core.batch.choose_lengths`` on this core's calibration, in C++."""
+        return self._core.lengths(np.asarray(probs, dtype=np.float64), np.asarray(offsets, dtype=np.int64),
+                                  float(scale), [float(c) for c in coefficients], float(min_gain), bool(adaptive),
+                                  int(probe_tokens))
+
     def calibration_state(self) -> list[list[float]]:
         return self._core.calibration_state()
 

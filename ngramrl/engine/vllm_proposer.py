@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
-from ngramrl.core.batch import DraftBatch, MirroredCalibration, make_core
-from ngramrl.core.cost import StepCostModel, choose_draft_lengths, probe_lengths
+from ngramrl.core.batch import DraftBatch, MirroredCalibration, choose_lengths, make_core
+from ngramrl.core.cost import StepCostModel
 from ngramrl.core.drafter import EMPTY, Draft
-from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival
+from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower
 
 CONFIG_ENV = "NGRAMRL_CONFIG"
 PROBE_TOKENS = (1, 4)  # draft tokens verified by the probes while drafting is off, in turn
@@ -169,6 +169,7 @@ class NgramRLProposer:
         self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch,
                                                              *_forward_resources(vllm_config))
         self._looked_up = False
+        self.core: Any = None  # the drafting core, where drafts are made in this process
         self._setup_drafting()
 
     # -- where drafts come from: the drafting core in this process (the Ray drafter pool's client
@@ -361,23 +362,22 @@ class NgramRLProposer:
         accepted tokens the calibrated model expects of what is kept, and whether the cost model
         (not a probe) kept any token."""
         engine = self.config.engine
-        if not any(d.tokens for d in drafts):
-            return [0] * len(drafts), 0.0, False
-        survival = [Survival(d.probs, self.calibration) for d in drafts]
-        if not engine.adaptive_length:
-            chosen = [len(d.tokens) for d in drafts]
-            paid = True
+        flat = DraftBatch.from_drafts(drafts)
+        # The tokens chosen are those the model rates highest, so their chances run high (the
+        # winner's curse): scale them by what verified drafts delivered against what was expected.
+        delivered = min(1.0, (self._delivered[0] + 8.0) / (self._delivered[1] + 8.0))
+        probe = PROBE_TOKENS[self._probes % 2] if exploring else 0
+        if self.core is not None:  # one call, in the native core where it is built
+            self.calibration.sync()
+            chosen, expected, paid, probed = self.core.lengths(flat.probs, flat.offsets, delivered,
+                                                               self.cost.coefficients, engine.min_gain,
+                                                               engine.adaptive_length, probe)
         else:
-            # The tokens chosen are those the model rates highest, so their chances run high (the
-            # winner's curse): scale them by what verified drafts delivered against what was expected.
-            delivered = min(1.0, (self._delivered[0] + 8.0) / (self._delivered[1] + 8.0))
-            chosen = choose_draft_lengths([Survival(d.probs, self.calibration, delivered) for d in drafts],
-                                          self.cost, engine.min_gain)
-            paid = any(chosen)
-            if exploring and not any(chosen):
-                chosen = probe_lengths(survival, PROBE_TOKENS[self._probes % 2])
-                self._probes += 1
-        return chosen, sum(sum(s[:n]) for s, n in zip(survival, chosen, strict=True)), paid
+            chosen, expected, paid, probed = choose_lengths(self.calibration, flat.probs, flat.offsets, delivered,
+                                                            self.cost.coefficients, engine.min_gain,
+                                                            engine.adaptive_length, probe)
+        self._probes += probed
+        return chosen.tolist(), expected, paid
 
     def _back_off(self, kept: bool, rows: int, exploring: bool) -> None:
         """A lookup step kept some draft tokens (look up every step, probe at the shortest

@@ -541,6 +541,16 @@ public:
         return out;
     }
 
+    LengthChoice lengths(const std::vector<double>& probs, const std::vector<int64_t>& offsets, double scale,
+                         const std::vector<double>& coefficients, double min_gain, bool adaptive, int32_t probe_tokens) {
+        join();
+        LengthChoice out;
+        const double c[4] = {coefficients.at(0), coefficients.at(1), coefficients.at(2), coefficients.at(3)};
+        choose_lengths(calibration_, probs.data(), offsets.data(), offsets.size() - 1, scale, c, min_gain, adaptive,
+                       probe_tokens, out);
+        return out;
+    }
+
     std::vector<std::vector<double>> calibration_state() {
         join();
         return calibration_.state();
@@ -996,6 +1006,19 @@ PYBIND11_MODULE(_native, m) {
                      out = c.chances(p, o);
                  }
                  return to_array(out);
+             })
+        .def("lengths",
+             [](Core& c, F64 probs, I64 offsets, double scale, std::vector<double> coefficients, double min_gain,
+                bool adaptive, int32_t probe_tokens) {
+                 auto p = from_array(probs);
+                 auto o = from_array(offsets);
+                 if (o.empty()) throw py::value_error("offsets needs rows + 1 entries");
+                 LengthChoice out;
+                 {
+                     py::gil_scoped_release release;
+                     out = c.lengths(p, o, scale, coefficients, min_gain, adaptive, probe_tokens);
+                 }
+                 return py::make_tuple(to_array(out.lengths), out.expected, out.paid, out.probed);
              })
         .def("calibration_state", &Core::calibration_state)
         .def("load_calibration_state", &Core::load_calibration_state)

@@ -290,6 +290,103 @@ private:
     std::vector<std::pair<int, int>> order_;
 };
 
+// cost.choose_draft_lengths and probe_lengths over calibrated survival chances, and the accepted
+// tokens the unscaled chances expect of what is kept (the proposer's _lengths).
+struct LengthChoice {
+    std::vector<int32_t> lengths;
+    double expected = 0.0;
+    bool paid = false;    // the cost model (not a probe) kept a token
+    bool probed = false;  // a probe chose the lengths
+};
+
+inline void choose_lengths(const Calibration& calibration, const double* probs, const int64_t* offsets, size_t rows,
+                           double scale, const double coefficients[4], double min_gain, bool adaptive,
+                           int32_t probe_tokens, LengthChoice& out) {
+    out.lengths.assign(rows, 0);
+    out.expected = 0.0;
+    out.paid = false;
+    out.probed = false;
+    std::vector<double> survival(offsets[rows]), scaled(offsets[rows]);
+    bool any = false;
+    for (size_t r = 0; r < rows; ++r) {
+        double running = 1.0, running_scaled = scale;
+        for (int64_t j = offsets[r]; j < offsets[r + 1]; ++j) {
+            const double chance = calibration.chance(static_cast<int>(j - offsets[r]), probs[j]);
+            running *= chance;
+            running_scaled *= chance;
+            survival[j] = running;
+            scaled[j] = running_scaled;
+        }
+        any = any || offsets[r + 1] > offsets[r];
+    }
+    if (!any) return;
+    struct Next {
+        double s;
+        int64_t r, i;
+    };
+    // _best_first: likeliest first, ties to the lower row, then the lower index (a heap of (-s, r, i)).
+    auto later = [](const Next& a, const Next& b) {
+        if (a.s != b.s) return a.s < b.s;
+        if (a.r != b.r) return a.r > b.r;
+        return a.i > b.i;
+    };
+    auto best_first = [&](const std::vector<double>& values, auto&& take) {
+        std::vector<Next> heap;
+        for (size_t r = 0; r < rows; ++r)
+            if (offsets[r + 1] > offsets[r]) heap.push_back(Next{values[offsets[r]], static_cast<int64_t>(r), 0});
+        std::make_heap(heap.begin(), heap.end(), later);
+        while (!heap.empty()) {
+            std::pop_heap(heap.begin(), heap.end(), later);
+            const Next n = heap.back();
+            heap.pop_back();
+            if (!take(n)) return;
+            if (offsets[n.r] + n.i + 1 < offsets[n.r + 1]) {
+                heap.push_back(Next{values[offsets[n.r] + n.i + 1], n.r, n.i + 1});
+                std::push_heap(heap.begin(), heap.end(), later);
+            }
+        }
+    };
+    if (!adaptive) {
+        for (size_t r = 0; r < rows; ++r) out.lengths[r] = static_cast<int32_t>(offsets[r + 1] - offsets[r]);
+        out.paid = true;
+    } else {
+        const double base = coefficients[0], per_request = coefficients[1], per_token = coefficients[2],
+                     per_verify = coefficients[3];
+        const double demand = 1.0 + min_gain;
+        if (per_token <= 0.0 && per_verify <= 0.0) {
+            for (size_t r = 0; r < rows; ++r) out.lengths[r] = static_cast<int32_t>(offsets[r + 1] - offsets[r]);
+        } else {
+            const double plain = static_cast<double>(rows);
+            const double plain_time = base + per_request * static_cast<double>(rows);
+            double committed = plain, time = plain_time + per_verify;
+            best_first(scaled, [&](const Next& n) {
+                if (n.s * time <= demand * per_token * committed) return false;
+                out.lengths[n.r] = static_cast<int32_t>(n.i) + 1;
+                committed += n.s;
+                time += per_token;
+                return true;
+            });
+            if (committed * plain_time <= demand * plain * time) out.lengths.assign(rows, 0);
+        }
+        for (int32_t n : out.lengths) out.paid = out.paid || n > 0;
+        if (probe_tokens > 0 && !out.paid) {
+            out.lengths.assign(rows, 0);
+            int32_t left = probe_tokens;
+            best_first(survival, [&](const Next& n) {
+                if (left-- <= 0) return false;
+                out.lengths[n.r] = static_cast<int32_t>(n.i) + 1;
+                return true;
+            });
+            out.probed = true;
+        }
+    }
+    for (size_t r = 0; r < rows; ++r) {
+        double sum = 0.0;
+        for (int32_t i = 0; i < out.lengths[r]; ++i) sum = sum + survival[offsets[r] + i];
+        out.expected = out.expected + sum;
+    }
+}
+
 struct AllocateConfig {
     int32_t budget = 16;
     int64_t global_budget = -1;  // -1: none

@@ -135,6 +135,13 @@ def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
             ref.observe(probs, voff, accepted)
             nat.observe(probs, voff, accepted)
             assert np.array_equal(ref.chances(probs, voff), nat.chances(probs, voff)), where
+        if rng.random() < 0.5:  # the cost model's choice of draft lengths, on the calibration both learned
+            coefficients = rng.choice([(0.03, 0.001, 0.0, 0.0), (0.03, 0.001, 0.001, 0.0), (9e-5, 0.003, 0.002, 3e-5),
+                                       (0.02, 0.0002, 1e-5, 0.0)])
+            args = (a.probs, a.offsets, rng.choice([1.0, 0.7]), coefficients, rng.choice([0.0, 0.1]),
+                    rng.random() < 0.8, rng.choice([0, 1, 4]))
+            left, right = ref.lengths(*args), nat.lengths(*args)
+            assert np.array_equal(left[0], right[0]) and left[1:] == right[1:], f"{where}: lengths {left} {right}"
         if rng.random() < 0.85:
             absorbed = [h for h in handles if rng.random() < 0.9]
             ref.absorb(absorbed)
