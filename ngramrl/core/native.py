@@ -102,8 +102,9 @@ class NativeCore:
     def step(self, handles: Any, tokens: Any, offsets: Any, ks: Any) -> DraftBatch:
         return DraftBatch(*self._core.step(*as_rows(handles, tokens, offsets, ks)))
 
-    def absorb(self, handles: Any) -> None:
-        self._core.absorb(np.ascontiguousarray(handles, dtype=np.int64).reshape(-1))
+    def absorb(self, handles: Any, now: bool = False) -> None:
+        """The rows' committed tokens enter the index: in the background (``now``: before returning)."""
+        self._core.absorb(np.ascontiguousarray(handles, dtype=np.int64).reshape(-1), bool(now))
 
     def lookup_context(self, prompt_id: str, prompt: Any, output: Any, k: int) -> Draft:
         tokens, probs, matched, source = self._core.lookup_context(str(prompt_id), _tokens(prompt), _tokens(output),

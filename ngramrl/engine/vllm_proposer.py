@@ -225,8 +225,7 @@ class NgramRLProposer:
             return
         handles = [row.request for row in rows]
         if not self.prefetching:
-            self.core.absorb(handles)
-            self.core.collect()
+            self.core.absorb(handles, now=True)
             return
         if not self._prefetches_next(len(rows)):
             self.core.absorb(handles)

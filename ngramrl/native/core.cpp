@@ -462,9 +462,18 @@ public:
     // The rows' committed tokens enter their prompts' indexes, in the background.
     // (Queued behind any background work, without waiting for it: requests_ only grows and
     // changes on this thread, so the handles can be resolved here.)
-    void absorb(const std::vector<int64_t>& handles) {
+    // ``now``: on the calling thread (and the step's pool) before returning, no background hand-off.
+    void absorb(const std::vector<int64_t>& handles, bool now) {
         std::vector<Request*> reqs;
         for (int64_t h : handles) reqs.push_back(&get(h));
+        if (now) {
+            join();
+            const int64_t begin = now_ns();
+            absorb_rows(reqs, pool_);
+            timings_["absorb_ns"] += now_ns() - begin;
+            timings_["absorb_rows"] += static_cast<int64_t>(reqs.size());
+            return;
+        }
         background_.submit([this, reqs] { timed_absorb(reqs); });
     }
 
@@ -972,10 +981,10 @@ PYBIND11_MODULE(_native, m) {
                  return c.step_result();
              })
         .def("absorb",
-             [](Core& c, I64 handles) {
+             [](Core& c, I64 handles, bool now) {
                  auto h = from_array(handles);
                  py::gil_scoped_release release;
-                 c.absorb(h);
+                 c.absorb(h, now);
              })
         .def("prefetch",
              [](Core& c, I64 handles, I32 tokens, I64 offsets, F64 probs, int32_t k, I64 absorb_first) {

@@ -144,8 +144,9 @@ def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
             assert np.array_equal(left[0], right[0]) and left[1:] == right[1:], f"{where}: lengths {left} {right}"
         if rng.random() < 0.85:
             absorbed = [h for h in handles if rng.random() < 0.9]
-            ref.absorb(absorbed)
-            nat.absorb(absorbed)
+            now = rng.random() < 0.5
+            ref.absorb(absorbed, now=now)
+            nat.absorb(absorbed, now=now)
         if rng.random() < 0.8:
             sent = [h for h in handles if rng.random() < 0.9]
             cut = {h: rng.randrange(len(last[h][0]) + 1) for h in sent}
