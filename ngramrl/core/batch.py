@@ -192,6 +192,10 @@ class ReferenceCore:
         return {"layout": history.layout, "rebuilds": history.rebuilds, "global_builds": history.global_builds,
                 "evicted_prompts": history.evicted_prompts}
 
+    def index_prompt(self, prompt_id: str) -> bool:
+        """Build the prompt's index now (it becomes the most recently used); False if unknown."""
+        return self.history.index_of(prompt_id) is not None
+
     def build_indexes(self) -> None:
         """Build every index now (between steps), not in the next lookup that needs it."""
         for prompt_id in self.history.prompt_ids():

@@ -73,6 +73,10 @@ class NativeCore:
     def build_indexes(self) -> None:
         self._core.build_indexes()
 
+    def index_prompt(self, prompt_id: str) -> bool:
+        """Build the prompt's index now (it becomes the most recently used); False if unknown."""
+        return self._core.index_prompt(str(prompt_id))
+
     def index_shape(self, prompt_id: str | None = None) -> tuple[int, int, int]:
         """(states, tokens, sequences) of a prompt's index (None: the cross-prompt one); -1s when not built."""
         return tuple(self._core.index_shape("" if prompt_id is None else str(prompt_id)))

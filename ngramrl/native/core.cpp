@@ -243,6 +243,15 @@ public:
         history_.add_rollout(id, prompt, output, epoch);
     }
 
+    // RolloutHistory.index_of: the prompt's index built now (touching it); false for an unknown prompt.
+    bool index_prompt(const std::string& id) {
+        join();
+        Prompt* entry = history_.find(id);
+        if (entry == nullptr) return false;
+        history_.indexed(entry);
+        return true;
+    }
+
     void build_indexes() {
         join();
         std::vector<Prompt*> order(history_.lru_order().begin(), history_.lru_order().end());
@@ -945,6 +954,7 @@ PYBIND11_MODULE(_native, m) {
                  c.add_rollout(id, p, o, epoch);
              })
         .def("build_indexes", &Core::build_indexes, py::call_guard<py::gil_scoped_release>())
+        .def("index_prompt", &Core::index_prompt, py::call_guard<py::gil_scoped_release>())
         .def("export", &Core::export_history)
         .def("clear", &Core::clear, py::call_guard<py::gil_scoped_release>())
         .def("restore_prompt", &Core::restore_prompt, py::call_guard<py::gil_scoped_release>())
