@@ -76,6 +76,12 @@ class DraftBatch:
         return Draft(self.tokens[begin:end].tolist(), self.probs[begin:end].tolist(), int(self.matched[row]),
                      SOURCES[int(self.source[row])])
 
+    def drafts(self) -> list[Draft]:
+        """Every row's draft (one conversion of each array, not one per row)."""
+        tokens, probs, offsets = self.tokens.tolist(), self.probs.tolist(), self.offsets.tolist()
+        return [Draft(tokens[offsets[i]:offsets[i + 1]], probs[offsets[i]:offsets[i + 1]], matched, SOURCES[source])
+                for i, (matched, source) in enumerate(zip(self.matched.tolist(), self.source.tolist(), strict=True))]
+
     @classmethod
     def from_drafts(cls, drafts: list[Draft], prefetched: list[bool] | None = None) -> DraftBatch:
         lengths = np.fromiter((len(d.tokens) for d in drafts), dtype=np.int64, count=len(drafts))

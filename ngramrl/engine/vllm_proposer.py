@@ -211,7 +211,7 @@ class NgramRLProposer:
                                [row.k for row in rows])
         self.stats.prefetch_hits += int(batch.prefetched.sum())
         self._looked_up = any(row.k > 0 for row in rows)
-        return [batch.draft(i) for i in range(len(rows))]
+        return batch.drafts()
 
     def _end_step(self, rows: list[Row], drafts: list[Draft]) -> None:
         """Drafts go to verification. After a step with lookups its committed tokens enter the

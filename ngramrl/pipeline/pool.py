@@ -158,8 +158,8 @@ class DrafterShard:
             batch = self.core.step(handles, [t for item in rows for t in item.committed], offsets,
                                    [item.k for item in rows])
             self.core.absorb(handles, now=True)
-            for i, item in enumerate(rows):
-                drafts[item.request_id] = batch.draft(i)
+            for item, draft in zip(rows, batch.drafts(), strict=True):
+                drafts[item.request_id] = draft
                 self.issued[item.request_id] = drafts[item.request_id]
                 self.stats.drafts += bool(drafts[item.request_id].tokens)
         replies = [StepReply(item.request_id, [], [], known=False) if item.request_id in lost

@@ -122,6 +122,7 @@ def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
         a = ref.step(handles, flat, offsets, ks)
         b = nat.step(handles, flat, offsets, ks)
         same_drafts(a, b, where)
+        assert a.drafts() == b.drafts() == [a.draft(i) for i in range(len(a))], where
         counts["hits"] += int(a.prefetched.sum())
         counts["drafted"] += int(len(a.tokens))
         for i, h in enumerate(handles):
