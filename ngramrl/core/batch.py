@@ -50,7 +50,7 @@ from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.cost import choose_draft_lengths, probe_lengths
 from ngramrl.core.drafter import EMPTY, Draft, MatchState, NgramDrafter, RequestState, advance
 from ngramrl.core.history import RolloutHistory
-from ngramrl.core.outcome import AcceptanceCalibration, Survival, allocate, predict_for
+from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival, allocate, predict_for
 
 logger = logging.getLogger(__name__)
 
@@ -155,13 +155,15 @@ class ReferenceCore:
     native = False
 
     def __init__(self, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
-                 prefetch: PrefetchConfig | None = None, threads: int = 1) -> None:
+                 prefetch: PrefetchConfig | None = None, threads: int = 1, follow: bool = False) -> None:
         self.history = RolloutHistory(history)
         self.drafter = NgramDrafter(self.history, drafter)
         self.prefetch_config = prefetch or PrefetchConfig()
         self.calibration = AcceptanceCalibration(self.prefetch_config.prior_strength,
                                                  self.prefetch_config.calibration_decay)
         self.threads = threads
+        # With ``follow``, every draft made calibrates acceptance by following the committed tokens.
+        self.follower = DraftFollower(self.calibration) if follow else None
         self._requests: list[RequestState | None] = []
         self._cache: dict[tuple[int, int, int], tuple[Draft, tuple]] = {}
         self._outcomes = OutcomeBatch.empty()
@@ -229,6 +231,8 @@ class ReferenceCore:
     def finish(self, handle: int, epoch: int | None = None, linger: bool = False) -> None:
         request = self._request(handle)
         self.drafter.finish(request, epoch=epoch, linger=linger)
+        if self.follower is not None:
+            self.follower.drop(int(handle))
         self._requests[handle] = None
 
     def known(self, handle: int) -> bool:
@@ -247,6 +251,9 @@ class ReferenceCore:
         handles, tokens, offsets, ks = as_rows(handles, tokens, offsets, ks)
         requests = [self._request(h) for h in handles]
         drafter = self.drafter
+        if self.follower is not None:
+            for i, handle in enumerate(handles.tolist()):
+                self.follower.committed(handle, tokens[offsets[i]:offsets[i + 1]].tolist())
         if np.any(ks > 0):
             for request in requests:
                 drafter.absorb(request)
@@ -268,7 +275,15 @@ class ReferenceCore:
                 drafts.append(drafter.lookup(request, k))
                 hits.append(False)
         self._cache = {}
+        if self.follower is not None:
+            for handle, k, draft in zip(handles.tolist(), ks.tolist(), drafts, strict=True):
+                if k > 0:
+                    self.follower.offer(handle, draft)
         return DraftBatch.from_drafts(drafts, hits)
+
+    def followed(self) -> tuple[int, int]:
+        """Drafts followed to their end and their accepted tokens (``follow``)."""
+        return (self.follower.resolved, self.follower.accepted) if self.follower is not None else (0, 0)
 
     def absorb(self, handles: Any, now: bool = False) -> None:
         for handle in np.asarray(handles, dtype=np.int64).reshape(-1):
@@ -450,35 +465,6 @@ def _ints(values: Any) -> list[int]:
     return np.asarray(values, dtype=np.int64).reshape(-1).tolist() if not isinstance(values, list) else list(values)
 
 
-class MirroredCalibration(AcceptanceCalibration):
-    """The acceptance calibration a consumer reads (the cost model's survival chances) and the one
-    inside a core (its outcome model) kept equal: observations are applied here at once and sent
-    to the core in one call at ``sync`` (before the core's next prefetch), in the same order, so
-    both tables go through the same arithmetic."""
-
-    def __init__(self, core: DraftingCore, prior_strength: float = 4.0, decay: float = 1.0) -> None:
-        super().__init__(prior_strength, decay)
-        self.core = core
-        self._unsent: list[tuple[list[float], int]] = []
-
-    def observe(self, probs: list[float], accepted: int) -> None:
-        super().observe(probs, accepted)
-        self._unsent.append((list(probs), int(accepted)))
-
-    def sync(self) -> None:
-        if not self._unsent:
-            return
-        offsets = np.zeros(len(self._unsent) + 1, dtype=np.int64)
-        np.cumsum([len(p) for p, _ in self._unsent], out=offsets[1:])
-        self.core.observe([x for p, _ in self._unsent for x in p], offsets, [a for _, a in self._unsent])
-        self._unsent = []
-
-    def load_state(self, state: list[list[float]]) -> None:
-        super().load_state(state)
-        self._unsent = []
-        self.core.load_calibration_state(state)
-
-
 _native_warned = False
 
 
@@ -498,16 +484,18 @@ def native_module() -> Any | None:
 
 
 def make_core(history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
-              prefetch: PrefetchConfig | None = None, threads: int = 1, native: bool | None = None) -> DraftingCore:
-    """The drafting core: native when available (``native=None``), or the one asked for."""
+              prefetch: PrefetchConfig | None = None, threads: int = 1, native: bool | None = None,
+              follow: bool = False) -> DraftingCore:
+    """The drafting core: native when available (``native=None``), or the one asked for. ``follow``:
+    it calibrates acceptance from every draft it makes by following the committed tokens."""
     if native is False:
-        return ReferenceCore(history, drafter, prefetch, threads)
+        return ReferenceCore(history, drafter, prefetch, threads, follow)
     module = native_module()
     if module is None:
         if native:
             raise RuntimeError("the native drafting core was asked for but ngramrl._native is not built "
                                "(pip install . builds it; see docs/native.md)")
-        return ReferenceCore(history, drafter, prefetch, threads)
+        return ReferenceCore(history, drafter, prefetch, threads, follow)
     from ngramrl.core.native import NativeCore
 
-    return NativeCore(module, history, drafter, prefetch, threads)
+    return NativeCore(module, history, drafter, prefetch, threads, follow)

@@ -19,7 +19,7 @@ class NativeCore:
     native = True
 
     def __init__(self, module: Any, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
-                 prefetch: PrefetchConfig | None = None, threads: int = 1) -> None:
+                 prefetch: PrefetchConfig | None = None, threads: int = 1, follow: bool = False) -> None:
         history = history or HistoryConfig()
         drafter = drafter or DrafterConfig()
         prefetch = prefetch or PrefetchConfig()
@@ -35,7 +35,8 @@ class NativeCore:
             stop_tokens=[int(t) for t in drafter.stop_tokens],
             budget=prefetch.budget, global_budget=-1 if prefetch.global_budget is None else prefetch.global_budget,
             min_probability=prefetch.min_probability, levels=prefetch.levels,
-            prior_strength=prefetch.prior_strength, calibration_decay=prefetch.calibration_decay, threads=threads)
+            prior_strength=prefetch.prior_strength, calibration_decay=prefetch.calibration_decay, threads=threads,
+            follow=follow)
 
     # -- history ---------------------------------------------------------------------------
 
@@ -80,6 +81,10 @@ class NativeCore:
     def index_shape(self, prompt_id: str | None = None) -> tuple[int, int, int]:
         """(states, tokens, sequences) of a prompt's index (None: the cross-prompt one); -1s when not built."""
         return tuple(self._core.index_shape("" if prompt_id is None else str(prompt_id)))
+
+    def followed(self) -> tuple[int, int]:
+        """Drafts followed to their end and their accepted tokens (``follow``)."""
+        return tuple(self._core.followed())
 
     def timings(self) -> dict[str, int]:
         """Nanoseconds spent in steps, background inserts, outcome planning and prefetch lookups, and

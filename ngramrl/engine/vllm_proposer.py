@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
-from ngramrl.core.batch import DraftBatch, MirroredCalibration, choose_lengths, make_core
+from ngramrl.core.batch import DraftBatch, choose_lengths, make_core
 from ngramrl.core.cost import StepCostModel
 from ngramrl.core.drafter import EMPTY, Draft
 from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower
@@ -176,13 +176,13 @@ class NgramRLProposer:
     #    overrides these hooks) --
 
     def _setup_drafting(self) -> None:
-        """The drafting core (native when built) holds the history; its outcome model reads the
-        calibration this proposer learns (mirrored into it)."""
-        prefetch = self.config.prefetch
-        self.core = make_core(self.config.history, self.drafter_config, prefetch,
-                              threads=self.config.engine.draft_threads)
-        self.calibration = MirroredCalibration(self.core, prefetch.prior_strength, prefetch.calibration_decay)
-        self.follower = DraftFollower(self.calibration)
+        """The drafting core (native when built) holds the history and the acceptance calibration
+        (learned by following every draft it makes), which its outcome model and its choice of
+        draft lengths read."""
+        self.core = make_core(self.config.history, self.drafter_config, self.config.prefetch,
+                              threads=self.config.engine.draft_threads, follow=True)
+        self.follower = None  # the core follows every draft it makes and calibrates itself
+        self.calibration = None
 
     def _start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> Any:
         """A request with a prompt id starts; returns its drafting state (a core handle)."""
@@ -220,7 +220,6 @@ class NgramRLProposer:
         (a background thread on the forward's cores would slow it). A step without lookups leaves
         them for the next one that looks up (a worker woken for the inserts alone measured 1.3%
         slower than synchronous drafting at 32 requests in flight; docs/vllm.md)."""
-        self.calibration.sync()
         if not rows or not self._looked_up:
             return
         handles = [row.request for row in rows]
@@ -246,12 +245,21 @@ class NgramRLProposer:
                          prefetch_plan_us_median=timings["plan_ns"] / 1000 / max(1, timings["plan_rows"]))
         return stats
 
+    def _followed(self) -> tuple[int, int]:
+        """Drafts followed to their end and their accepted tokens."""
+        if self.follower is not None:
+            return self.follower.resolved, self.follower.accepted
+        return self.core.followed()
+
+    def calibration_state(self) -> list[list[float]]:
+        return self.core.calibration_state() if self.core is not None else self.calibration.state()
+
     def export_state(self) -> dict[str, Any] | None:
         """What this proposer has learned, as plain data: the rollout history it drafts from, the
         step-cost fit and the acceptance calibration; a new engine given it (``restore_state``)
         starts warm. None where the history lives elsewhere (the Ray drafter pool)."""
         return {"history": self.core.export(), "step_cost": self.cost.state(),
-                "calibration": self.calibration.state(), "delivered": list(self._delivered)}
+                "calibration": self.calibration_state(), "delivered": list(self._delivered)}
 
     def restore_state(self, state: dict[str, Any]) -> int:
         """Take what ``export_state`` gave, in place of what this proposer had learned (between
@@ -259,7 +267,7 @@ class NgramRLProposer:
         self.core.clear()
         self.core.restore(state["history"])
         self.cost.load_state(state["step_cost"])
-        self.calibration.load_state(state["calibration"])
+        self.core.load_calibration_state(state["calibration"])
         self._delivered = [float(v) for v in state["delivered"]]
         return len(self.core)
 
@@ -297,7 +305,8 @@ class NgramRLProposer:
             self.stats.row_steps += 1
             self.stats.committed_tokens += len(sampled)
             previous = self._pending.pop(req_id, None)
-            self.follower.committed(req_id, sampled)
+            if self.follower is not None:
+                self.follower.committed(req_id, sampled)
             if previous is not None and previous.tokens:
                 self.stats.accepted_tokens += len(sampled) - 1
                 self._delivered[0] += len(sampled) - 1
@@ -325,7 +334,8 @@ class NgramRLProposer:
         for row, draft, length in zip(rows, made, lengths, strict=True):
             if not draft.tokens:
                 continue
-            self.follower.offer(row.req_id, draft)
+            if self.follower is not None:
+                self.follower.offer(row.req_id, draft)
             kept = draft.truncated(length)
             self.stats.cut_tokens += len(draft.tokens) - length
             if kept.tokens:
@@ -367,7 +377,6 @@ class NgramRLProposer:
         delivered = min(1.0, (self._delivered[0] + 8.0) / (self._delivered[1] + 8.0))
         probe = PROBE_TOKENS[self._probes % 2] if exploring else 0
         if self.core is not None:  # one call, in the native core where it is built
-            self.calibration.sync()
             chosen, expected, paid, probed = self.core.lengths(flat.probs, flat.offsets, delivered,
                                                                self.cost.coefficients, engine.min_gain,
                                                                engine.adaptive_length, probe)
@@ -439,7 +448,8 @@ class NgramRLProposer:
             request = self.requests.pop(req_id)
             epoch = self.epochs.pop(req_id, 0)
             self._pending.pop(req_id, None)
-            self.follower.drop(req_id)
+            if self.follower is not None:
+                self.follower.drop(req_id)
             if request is not None:
                 self._finish(request, epoch)
                 self.stats.finished_rollouts += 1
@@ -453,7 +463,7 @@ class NgramRLProposer:
                 "finished_rollouts": stats.finished_rollouts, "row_steps": stats.row_steps,
                 "committed_tokens": stats.committed_tokens, "accepted_tokens": stats.accepted_tokens,
                 "expected_accepted": round(stats.expected_accepted, 2),
-                "followed_drafts": self.follower.resolved, "followed_accepted": self.follower.accepted,
+                **dict(zip(("followed_drafts", "followed_accepted"), self._followed(), strict=True)),
                 "draft_us_median": (statistics.median(stats.recent_draft_ns) / 1000 if stats.recent_draft_ns
                                     else None),
                 "draft_us_total": stats.draft_ns_total / 1000, "step_base_s": base,

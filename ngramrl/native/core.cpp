@@ -169,6 +169,11 @@ struct Request {
     Tokens pending;  // committed, not yet in the index
     LookState ls;
     int64_t layout = -1;
+    // The draft being followed (DraftFollower): compared with the tokens committed after it.
+    bool following = false;
+    Tokens follow_tokens;
+    std::vector<double> follow_probs;
+    int32_t follow_matched = 0;
 };
 
 struct DrafterConfig {
@@ -230,8 +235,9 @@ using F64 = py::array_t<double, py::array::c_style | py::array::forcecast>;
 class Core {
 public:
     Core(const HistoryConfig& history, const DrafterConfig& drafter, const PrefetchConfig& prefetch,
-         double prior_strength, double calibration_decay, int threads)
-        : history_(history), config_(drafter), prefetch_(prefetch), calibration_(prior_strength, calibration_decay),
+         double prior_strength, double calibration_decay, int threads, bool follow)
+        : history_(history), config_(drafter), prefetch_(prefetch), follow_(follow),
+          calibration_(prior_strength, calibration_decay),
           pool_(threads), background_pool_(std::max(1, threads - 1)) {}
 
     ~Core() { background_.wait(); }
@@ -382,6 +388,9 @@ public:
         const size_t rows = handles.size();
         std::vector<Request*> reqs(rows);
         for (size_t i = 0; i < rows; ++i) reqs[i] = &get(handles[i]);
+        if (follow_)
+            for (size_t i = 0; i < rows; ++i)
+                follow_committed(*reqs[i], tokens.data() + offsets[i], static_cast<size_t>(offsets[i + 1] - offsets[i]));
         bool any_k = false;
         for (int32_t k : ks) any_k = any_k || k > 0;
         if (any_k) absorb_rows(reqs, pool_);
@@ -428,8 +437,22 @@ public:
                 lookup_from(r.index, r, nullptr, 0, r.ls, ks[i], global, drafts_[i]);
             }
         });
+        if (follow_)
+            for (size_t i = 0; i < rows; ++i)
+                if (ks[i] > 0 && !drafts_[i].tokens.empty() && !reqs[i]->following) {
+                    Request& r = *reqs[i];
+                    r.following = true;
+                    r.follow_tokens = drafts_[i].tokens;
+                    r.follow_probs = drafts_[i].probs;
+                    r.follow_matched = 0;
+                }
         timings_["step_ns"] += now_ns() - begin;
         timings_["step_rows"] += static_cast<int64_t>(rows);
+    }
+
+    std::pair<int64_t, int64_t> followed() {
+        join();
+        return {followed_drafts_, followed_accepted_};
     }
 
     std::map<std::string, int64_t> timings() {
@@ -614,6 +637,8 @@ private:
     History history_;
     const DrafterConfig config_;
     const PrefetchConfig prefetch_;
+    const bool follow_;  // calibrate from every draft by following the committed tokens (DraftFollower)
+    int64_t followed_drafts_ = 0, followed_accepted_ = 0;
     Calibration calibration_;
     ThreadPool pool_;             // a step's work: the calling thread and threads - 1 others
     ThreadPool background_pool_;  // background work: the background thread and threads - 2 others, so
@@ -638,6 +663,32 @@ private:
     Background background_;  // last: joined before the members it uses are destroyed
 
     void join() { background_.wait(); }
+
+    // DraftFollower.committed
+    void follow_committed(Request& r, const int32_t* tokens, size_t n) {
+        if (!r.following) return;
+        int32_t matched = r.follow_matched;
+        bool resolved = false;
+        for (size_t t = 0; t < n; ++t) {
+            if (tokens[t] != r.follow_tokens[matched]) {
+                resolved = true;
+                break;
+            }
+            matched += 1;
+            if (matched == static_cast<int32_t>(r.follow_tokens.size())) {
+                resolved = true;
+                break;
+            }
+        }
+        if (!resolved) {
+            r.follow_matched = matched;
+            return;
+        }
+        r.following = false;
+        calibration_.observe(r.follow_probs.data(), static_cast<int>(r.follow_probs.size()), matched);
+        followed_drafts_ += 1;
+        followed_accepted_ += matched;
+    }
 
     static int64_t now_ns() {
         return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -928,7 +979,7 @@ PYBIND11_MODULE(_native, m) {
                          int32_t max_draft, double min_confidence, int32_t min_match, int32_t rematch_tokens,
                          bool use_global, std::vector<int32_t> stop_tokens, int32_t budget, int64_t global_budget,
                          double min_probability, int32_t levels, double prior_strength, double calibration_decay,
-                         int threads) {
+                         int threads, bool follow) {
                  HistoryConfig h{rollouts_per_prompt, epochs_kept, max_tokens, prompt_tail};
                  DrafterConfig d;
                  d.max_draft = max_draft;
@@ -940,13 +991,13 @@ PYBIND11_MODULE(_native, m) {
                  PrefetchConfig p;
                  p.allocate = AllocateConfig{budget, global_budget, min_probability};
                  p.levels = levels;
-                 return std::make_unique<Core>(h, d, p, prior_strength, calibration_decay, threads);
+                 return std::make_unique<Core>(h, d, p, prior_strength, calibration_decay, threads, follow);
              }),
              py::arg("rollouts_per_prompt"), py::arg("epochs_kept"), py::arg("max_tokens"), py::arg("prompt_tail"),
              py::arg("max_draft"), py::arg("min_confidence"), py::arg("min_match"), py::arg("rematch_tokens"),
              py::arg("use_global"), py::arg("stop_tokens"), py::arg("budget"), py::arg("global_budget"),
              py::arg("min_probability"), py::arg("levels"), py::arg("prior_strength"), py::arg("calibration_decay"),
-             py::arg("threads"))
+             py::arg("threads"), py::arg("follow"))
         .def("add_rollout",
              [](Core& c, const std::string& id, I32 prompt, I32 output, int64_t epoch) {
                  Tokens p = from_array(prompt), o = from_array(output);
@@ -965,6 +1016,7 @@ PYBIND11_MODULE(_native, m) {
         .def("counters", &Core::counters)
         .def("index_shape", &Core::index_shape)
         .def("timings", &Core::timings)
+        .def("followed", &Core::followed)
         .def("memory_bytes", &Core::memory_bytes, py::call_guard<py::gil_scoped_release>())
         .def("start",
              [](Core& c, const std::string& id, I32 prompt, I32 output, bool register_prompt) {

@@ -25,9 +25,10 @@ from ngramrl.core.trace import read_trace
 native = pytest.importorskip("ngramrl._native", reason="the native core is not built (pip install . builds it)")
 
 
-def pair(history: HistoryConfig, drafter: DrafterConfig, prefetch: PrefetchConfig, threads: int = 2):
-    return (ReferenceCore(history, drafter, prefetch),
-            make_core(history, drafter, prefetch, threads=threads, native=True))
+def pair(history: HistoryConfig, drafter: DrafterConfig, prefetch: PrefetchConfig, threads: int = 2,
+         follow: bool = False):
+    return (ReferenceCore(history, drafter, prefetch, follow=follow),
+            make_core(history, drafter, prefetch, threads=threads, native=True, follow=follow))
 
 
 def same_drafts(a: DraftBatch, b: DraftBatch, where: str) -> None:
@@ -66,7 +67,7 @@ def random_config(rng: random.Random) -> tuple[HistoryConfig, DrafterConfig, Pre
 def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
     rng = random.Random(seed)
     history, drafter, prefetch = random_config(rng)
-    ref, nat = pair(history, drafter, prefetch, threads)
+    ref, nat = pair(history, drafter, prefetch, threads, follow=rng.random() < 0.5)
     vocab = rng.choice([6, 12, 40])
     prompts = {f"p{i}": [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))] for i in range(rng.randrange(1, 6))}
 
@@ -183,6 +184,7 @@ def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
             assert ref.lookup_context(pid, prompts.get(pid, []), context, 8) == \
                 nat.lookup_context(pid, prompts.get(pid, []), context, 8), where
     assert ref.export() == nat.export()
+    assert ref.followed() == nat.followed()
     return counts
 
 

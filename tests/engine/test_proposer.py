@@ -292,9 +292,10 @@ def test_a_new_proposer_given_the_exported_state_drafts_and_decides_as_the_old_o
     assert new.restore_state(state) == 1  # in place of what it had
     assert new.core.export() == old.core.export()
     assert new.cost.coefficients == pytest.approx(old.cost.coefficients)
-    assert old.calibration._table  # something was learned
-    cells = [(position, estimate / 10) for position in range(8) for estimate in range(10)]
-    assert [new.calibration.chance(*c) for c in cells] == [old.calibration.chance(*c) for c in cells]
+    assert old.calibration_state()  # something was learned
+    probs = [estimate / 10 for estimate in range(10)] * 8  # every decile at positions 0-79
+    assert list(new.core.chances(probs, [0, len(probs)])) == list(old.core.chances(probs, [0, len(probs)]))
+    assert new.calibration_state() == old.calibration_state()
     old._restart_back_off(old.stats.steps)  # not carried: a new engine looks up from its first step
     for proposer, runner in ((old, old_runner), (new, new_runner)):
         proposer.cost = FixedStepCost(0.03, 0.001, 0.0, 0.0)
