@@ -82,6 +82,16 @@ class DraftBatch:
         return [Draft(tokens[offsets[i]:offsets[i + 1]], probs[offsets[i]:offsets[i + 1]], matched, SOURCES[source])
                 for i, (matched, source) in enumerate(zip(self.matched.tolist(), self.source.tolist(), strict=True))]
 
+    def truncated(self, lengths: Any) -> DraftBatch:
+        """Each row's first ``lengths[i]`` tokens (at most all of them)."""
+        sizes = np.diff(self.offsets)
+        keep = np.minimum(np.asarray(lengths, dtype=np.int64), sizes)
+        position = np.arange(len(self.tokens)) - np.repeat(self.offsets[:-1], sizes)
+        mask = position < np.repeat(keep, sizes)
+        offsets = np.zeros(len(keep) + 1, dtype=np.int64)
+        np.cumsum(keep, out=offsets[1:])
+        return DraftBatch(self.tokens[mask], offsets, self.probs[mask], self.matched, self.source, self.prefetched)
+
     @classmethod
     def from_drafts(cls, drafts: list[Draft], prefetched: list[bool] | None = None) -> DraftBatch:
         lengths = np.fromiter((len(d.tokens) for d in drafts), dtype=np.int64, count=len(drafts))

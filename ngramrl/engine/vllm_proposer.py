@@ -169,6 +169,7 @@ class NgramRLProposer:
         self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch,
                                                              *_forward_resources(vllm_config))
         self._looked_up = False
+        self._step_batch: DraftBatch | None = None  # the core's drafts of the current step
         self.core: Any = None  # the drafting core, where drafts are made in this process
         self._setup_drafting()
 
@@ -204,6 +205,8 @@ class NgramRLProposer:
         when the automaton is in the caches, not flushed by a forward (at 32 requests in flight this
         took a quarter off the proposer's mean time per step; docs/vllm.md)."""
         if not rows:
+            self._step_batch = DraftBatch.from_drafts([])
+            self._looked_up = False
             return []
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum([len(row.sampled) for row in rows], out=offsets[1:])
@@ -211,6 +214,7 @@ class NgramRLProposer:
                                [row.k for row in rows])
         self.stats.prefetch_hits += int(batch.prefetched.sum())
         self._looked_up = any(row.k > 0 for row in rows)
+        self._step_batch = batch
         return batch.drafts()
 
     def _end_step(self, rows: list[Row], drafts: list[Draft]) -> None:
@@ -229,9 +233,14 @@ class NgramRLProposer:
         if not self._prefetches_next(len(rows)):
             self.core.absorb(handles)
             return
-        sent = [(row.request, draft) for row, draft in zip(rows, drafts, strict=True) if row.k > 0]
-        batch = DraftBatch.from_drafts([draft for _, draft in sent])
-        self.core.prefetch([h for h, _ in sent], batch.tokens, batch.offsets, batch.probs, self.k, absorb=handles)
+        drafting = np.array([row.k > 0 for row in rows])
+        kept = self._step_batch.truncated([len(draft.tokens) for draft in drafts])
+        sizes = np.diff(kept.offsets)[drafting]
+        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        mask = np.repeat(drafting, np.diff(kept.offsets))
+        self.core.prefetch(np.asarray(handles)[drafting], kept.tokens[mask], offsets, kept.probs[mask], self.k,
+                           absorb=handles)
 
     def _prefetches_next(self, rows: int) -> bool:
         """Whether next drafts are worth prefetching now: the next step will look them up."""
@@ -371,7 +380,7 @@ class NgramRLProposer:
         accepted tokens the calibrated model expects of what is kept, and whether the cost model
         (not a probe) kept any token."""
         engine = self.config.engine
-        flat = DraftBatch.from_drafts(drafts)
+        flat = self._step_batch if self.core is not None else DraftBatch.from_drafts(drafts)
         # The tokens chosen are those the model rates highest, so their chances run high (the
         # winner's curse): scale them by what verified drafts delivered against what was expected.
         delivered = min(1.0, (self._delivered[0] + 8.0) / (self._delivered[1] + 8.0))

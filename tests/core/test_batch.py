@@ -124,6 +124,9 @@ def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
         b = nat.step(handles, flat, offsets, ks)
         same_drafts(a, b, where)
         assert a.drafts() == b.drafts() == [a.draft(i) for i in range(len(a))], where
+        cut = [rng.randrange(5) for _ in handles]
+        assert [d.tokens for d in a.truncated(cut).drafts()] == [d.tokens[:n] for d, n in
+                                                                 zip(a.drafts(), cut, strict=True)], where
         counts["hits"] += int(a.prefetched.sum())
         counts["drafted"] += int(len(a.tokens))
         for i, h in enumerate(handles):
