@@ -871,100 +871,137 @@ private:
         return r.known && r.index && r.layout == history_.layout && r.pending.empty();
     }
 
+    // The outcome model for row i of a prefetch (ReferenceCore._caught_up, then predict_for): reads only.
+    void predict_row(const Request& r, const Tokens& tokens, int64_t begin, int64_t end, const std::vector<double>& probs,
+                     Automaton* global, std::vector<OutcomeOut>& out) const {
+        thread_local std::vector<double> chances;
+        LookState probe;
+        probe.match = r.ls.match;
+        if (!r.ls.behind.empty()) probe.match = r.index->advance(probe.match, r.ls.behind.data(), r.ls.behind.size());
+        probe.global = r.ls.global;
+        probe.global_serial = r.ls.global_serial;
+        probe.global_match = r.ls.global_match;
+        if (!r.ls.global_behind.empty() && r.ls.global) {
+            if (global == nullptr || r.ls.global_serial != global->serial) {
+                probe.global = nullptr;
+            } else if (static_cast<int32_t>(r.ls.global_behind.size()) > config_.rematch_tokens) {
+                Tokens tail;
+                context_tail(r, nullptr, 0, config_.rematch_tokens, tail);
+                probe.global_match = global->advance(Match{}, tail.data(), tail.size());
+            } else {
+                probe.global_match = global->advance(probe.global_match, r.ls.global_behind.data(),
+                                                     r.ls.global_behind.size());
+            }
+        }
+        SourceMatch sources[2] = {{r.index, probe.match}, {nullptr, Match{}}};
+        size_t num_sources = 1;
+        if (config_.use_global && probe.global && global && probe.global_serial == global->serial)
+            sources[num_sources++] = SourceMatch{global, probe.global_match};
+        const int32_t length = static_cast<int32_t>(end - begin);
+        chances.resize(length);
+        for (int32_t j = 0; j < length; ++j) chances[j] = calibration_.chance(j, probs[begin + j]);
+        predict_outcomes(sources, num_sources, tokens.data() + begin, length, chances.data(), prefetch_.allocate.budget,
+                         prefetch_.levels, out);
+    }
+
+    // The draft the next step makes for the request if it commits draft[:j] + [b] (ReferenceCore._committed).
+    void lookup_outcome(const Request& r, const Tokens& tokens, int64_t begin, const OutcomeOut& outcome, int32_t k,
+                        Automaton* global, DraftOut& out) const {
+        Tokens after(tokens.begin() + begin, tokens.begin() + begin + outcome.accepted);
+        after.push_back(outcome.token);
+        LookState probe = r.ls;
+        probe.behind = after;
+        if (r.ls.global) probe.global_behind.insert(probe.global_behind.end(), after.begin(), after.end());
+        lookup_from(r.index, r, after.data(), after.size(), probe, k, global, out);
+    }
+
     void run_prefetch(const std::vector<Request*>& reqs, const Tokens& tokens, const std::vector<int64_t>& offsets,
                       const std::vector<double>& probs, int32_t k) {
         const AllocateConfig& alloc = prefetch_.allocate;
-        const int64_t begin = now_ns();
         Automaton* global = history_.built_global();
         if (alloc.budget <= 0 || (config_.use_global && global == nullptr)) return;
         std::vector<int32_t> rows;
         for (size_t i = 0; i < reqs.size(); ++i)
             if (readable(*reqs[i])) rows.push_back(static_cast<int32_t>(i));  // empty drafts too: b is the next token
-        // The outcome model, per row: reads only.
-        std::vector<std::vector<OutcomeOut>> candidates(rows.size());
-        std::vector<int64_t> keys(rows.size());
-        // One row per task: a cancel (the next step is here) waits for one row at most.
-        std::atomic<bool> cancelled{false};
-        background_pool_.run(rows.size(), [&](size_t c) {
-            if (cancel_.load(std::memory_order_relaxed)) {
-                cancelled.store(true, std::memory_order_relaxed);
-                return;
-            }
-            thread_local std::vector<double> chances;
-            for (size_t n = c; n < c + 1; ++n) {
-                const int32_t i = rows[n];
-                const Request& r = *reqs[i];
-                keys[n] = r.handle;
-                LookState probe;  // ReferenceCore._caught_up, match states only
-                probe.match = r.ls.match;
-                if (!r.ls.behind.empty()) probe.match = r.index->advance(probe.match, r.ls.behind.data(), r.ls.behind.size());
-                probe.global = r.ls.global;
-                probe.global_serial = r.ls.global_serial;
-                probe.global_match = r.ls.global_match;
-                if (!r.ls.global_behind.empty() && r.ls.global) {
-                    if (global == nullptr || r.ls.global_serial != global->serial) {
-                        probe.global = nullptr;
-                    } else if (static_cast<int32_t>(r.ls.global_behind.size()) > config_.rematch_tokens) {
-                        Tokens tail;
-                        context_tail(r, nullptr, 0, config_.rematch_tokens, tail);
-                        probe.global_match = global->advance(Match{}, tail.data(), tail.size());
-                    } else {
-                        probe.global_match = global->advance(probe.global_match, r.ls.global_behind.data(),
-                                                             r.ls.global_behind.size());
-                    }
+        std::vector<std::vector<Prefetched>> found(rows.size());
+        std::atomic<int64_t> plan_ns{0}, lookup_ns{0}, planned{0};
+        if (alloc.global_budget < 0) {
+            // Budgets per request only: each row is planned and looked up on its own, so a cancel (the
+            // next step is here) keeps every lookup made so far, and waits for one lookup at most.
+            background_pool_.run(rows.size(), [&](size_t n) {
+                if (cancel_.load(std::memory_order_relaxed)) return;
+                const int64_t t0 = now_ns();
+                const Request& r = *reqs[rows[n]];
+                std::vector<std::vector<OutcomeOut>> candidates(1), chosen;
+                predict_row(r, tokens, offsets[rows[n]], offsets[rows[n] + 1], probs, global, candidates[0]);
+                allocate(candidates, {r.handle}, alloc, chosen);
+                const int64_t t1 = now_ns();
+                for (const auto& o : chosen[0]) {
+                    if (cancel_.load(std::memory_order_relaxed)) break;
+                    found[n].push_back(Prefetched{rows[n], o, DraftOut{}, Stamp{}});
+                    lookup_outcome(r, tokens, offsets[rows[n]], o, k, global, found[n].back().draft);
                 }
-                SourceMatch sources[2] = {{r.index, probe.match}, {nullptr, Match{}}};
-                size_t num_sources = 1;
-                if (config_.use_global && probe.global && global && probe.global_serial == global->serial)
-                    sources[num_sources++] = SourceMatch{global, probe.global_match};
-                const int32_t begin = static_cast<int32_t>(offsets[i]);
-                const int32_t length = static_cast<int32_t>(offsets[i + 1] - offsets[i]);
-                chances.resize(length);
-                for (int32_t j = 0; j < length; ++j) chances[j] = calibration_.chance(j, probs[begin + j]);
-                predict_outcomes(sources, num_sources, tokens.data() + begin, length, chances.data(), alloc.budget,
-                                 prefetch_.levels, candidates[n]);
-            }
-        });
-        if (cancelled.load()) return;  // a budget allocated over part of the batch is not the reference's
-        std::vector<std::vector<OutcomeOut>> chosen;
-        allocate(candidates, keys, alloc, chosen);
-        const int64_t planned = now_ns();
-        timings_["plan_ns"] += planned - begin;
-        timings_["plan_rows"] += static_cast<int64_t>(rows.size());
-        struct Job {
-            int32_t row;
-            size_t n;
-            OutcomeOut outcome;
-        };
-        std::vector<Job> jobs;
-        for (size_t n = 0; n < rows.size(); ++n)
-            for (const auto& o : chosen[n]) jobs.push_back(Job{rows[n], n, o});
-        std::vector<DraftOut> found(jobs.size());
-        std::vector<uint8_t> done(jobs.size(), 0);
-        background_pool_.run(jobs.size(), [&](size_t jn) {
-            if (cancel_.load(std::memory_order_relaxed)) return;
-            const Job& job = jobs[jn];
-            const Request& r = *reqs[job.row];
-            const int32_t begin = static_cast<int32_t>(offsets[job.row]);
-            Tokens after(tokens.begin() + begin, tokens.begin() + begin + job.outcome.accepted);
-            after.push_back(job.outcome.token);
-            LookState probe = r.ls;  // ReferenceCore._committed: the request after commit(after)
-            probe.behind = after;
-            if (r.ls.global) probe.global_behind.insert(probe.global_behind.end(), after.begin(), after.end());
-            lookup_from(r.index, r, after.data(), after.size(), probe, k, global, found[jn]);
-            done[jn] = 1;
-        });
-        outcomes_.reserve(jobs.size());
-        cache_.reserve(jobs.size());
-        for (size_t jn = 0; jn < jobs.size(); ++jn) {
-            if (!done[jn]) continue;
-            const Request& r = *reqs[jobs[jn].row];
-            cache_[CacheKey{r.handle, jobs[jn].outcome.accepted, jobs[jn].outcome.token}] =
-                static_cast<int32_t>(outcomes_.size());
-            outcomes_.push_back(Prefetched{jobs[jn].row, jobs[jn].outcome, std::move(found[jn]), stamp(r)});
+                plan_ns += t1 - t0;
+                lookup_ns += now_ns() - t1;
+                planned += 1;
+            });
+        } else {
+            // A budget across the batch: every row's outcomes first, then the allocation, then lookups.
+            std::vector<std::vector<OutcomeOut>> candidates(rows.size());
+            std::vector<int64_t> keys(rows.size());
+            std::atomic<bool> cancelled{false};
+            const int64_t t0 = now_ns();
+            background_pool_.run(rows.size(), [&](size_t n) {
+                if (cancel_.load(std::memory_order_relaxed)) {
+                    cancelled.store(true, std::memory_order_relaxed);
+                    return;
+                }
+                const Request& r = *reqs[rows[n]];
+                keys[n] = r.handle;
+                predict_row(r, tokens, offsets[rows[n]], offsets[rows[n] + 1], probs, global, candidates[n]);
+            });
+            if (cancelled.load()) return;  // a budget allocated over part of the batch is not the reference's
+            std::vector<std::vector<OutcomeOut>> chosen;
+            allocate(candidates, keys, alloc, chosen);
+            const int64_t t1 = now_ns();
+            plan_ns += t1 - t0;
+            planned += static_cast<int64_t>(rows.size());
+            struct Job {
+                size_t n;
+                OutcomeOut outcome;
+            };
+            std::vector<Job> jobs;
+            for (size_t n = 0; n < rows.size(); ++n)
+                for (const auto& o : chosen[n]) jobs.push_back(Job{n, o});
+            std::vector<DraftOut> drafts(jobs.size());
+            std::vector<uint8_t> done(jobs.size(), 0);
+            background_pool_.run(jobs.size(), [&](size_t jn) {
+                if (cancel_.load(std::memory_order_relaxed)) return;
+                const Job& job = jobs[jn];
+                lookup_outcome(*reqs[rows[job.n]], tokens, offsets[rows[job.n]], job.outcome, k, global, drafts[jn]);
+                done[jn] = 1;
+            });
+            for (size_t jn = 0; jn < jobs.size(); ++jn)
+                if (done[jn]) found[jobs[jn].n].push_back(Prefetched{rows[jobs[jn].n], jobs[jn].outcome,
+                                                                     std::move(drafts[jn]), Stamp{}});
+            lookup_ns += now_ns() - t1;
         }
-        timings_["prefetch_lookup_ns"] += now_ns() - planned;
-        timings_["prefetch_lookups"] += static_cast<int64_t>(outcomes_.size());
+        size_t total = 0;
+        for (const auto& f : found) total += f.size();
+        outcomes_.reserve(total);
+        cache_.reserve(total);
+        for (auto& f : found) {
+            for (auto& p : f) {
+                const Request& r = *reqs[p.row];
+                p.stamp = stamp(r);
+                cache_[CacheKey{r.handle, p.outcome.accepted, p.outcome.token}] = static_cast<int32_t>(outcomes_.size());
+                outcomes_.push_back(std::move(p));
+            }
+        }
+        timings_["plan_ns"] += plan_ns.load();
+        timings_["plan_rows"] += planned.load();
+        timings_["prefetch_lookup_ns"] += lookup_ns.load();
+        timings_["prefetch_lookups"] += static_cast<int64_t>(total);
     }
 };
 
