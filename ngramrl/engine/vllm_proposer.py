@@ -345,7 +345,7 @@ class NgramRLProposer:
                 continue
             if self.follower is not None:
                 self.follower.offer(row.req_id, draft)
-            kept = draft.truncated(length)
+            kept = draft if length >= len(draft.tokens) else draft.truncated(length)
             self.stats.cut_tokens += len(draft.tokens) - length
             if kept.tokens:
                 self._pending[row.req_id] = kept
