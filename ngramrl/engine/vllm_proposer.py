@@ -70,6 +70,7 @@ class ProposerStats:
     drafts: int = 0
     drafted_tokens: int = 0
     cut_tokens: int = 0          # drafted, then dropped by the cost model
+    invalid_tokens: int = 0      # drafted, then dropped as no token id of the target (a corrupt history)
     prefetch_hits: int = 0       # next drafts that were ready from the prefetch
     finished_rollouts: int = 0
     row_steps: int = 0           # (request, step) pairs: target forwards spent on requests with a prompt id
@@ -122,6 +123,25 @@ def _cpu_list(text: str) -> list[int]:
     return cores
 
 
+def _vocab_size(vllm_config: Any) -> int | None:
+    """The target's vocabulary size, None where the config cannot tell (stand-in configs)."""
+    get = getattr(vllm_config.model_config, "get_vocab_size", None)
+    try:
+        return int(get()) if callable(get) else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def valid_prefix(tokens: list[int], vocab_size: int | None) -> int:
+    """How many leading tokens are token ids of the target's vocabulary: a draft goes to vLLM only
+    as far as its tokens are valid (its kernels index the vocabulary with them; -1 is its padding)."""
+    upper = vocab_size if vocab_size is not None else 1 << 62
+    for i, token in enumerate(tokens):
+        if not (isinstance(token, int) and 0 <= token < upper):
+            return i
+    return len(tokens)
+
+
 def _eos_ids(vllm_config: Any) -> tuple[int, ...]:
     eos = getattr(vllm_config.model_config.hf_config, "eos_token_id", None)
     if eos is None:
@@ -136,6 +156,7 @@ class NgramRLProposer:
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.vocab_size = _vocab_size(vllm_config)
         self.config = config_from_env(os.environ.get(CONFIG_ENV))
         stops = tuple(sorted(set(self.config.drafter.stop_tokens) | set(_eos_ids(vllm_config))))
         self.drafter_config = DrafterConfig(**{**self.config.drafter.__dict__, "stop_tokens": stops})
@@ -347,6 +368,10 @@ class NgramRLProposer:
                 self.follower.offer(row.req_id, draft)
             kept = draft if length >= len(draft.tokens) else draft.truncated(length)
             self.stats.cut_tokens += len(draft.tokens) - length
+            valid = valid_prefix(kept.tokens, self.vocab_size)
+            if valid < len(kept.tokens):
+                self.stats.invalid_tokens += len(kept.tokens) - valid
+                kept = kept.truncated(valid)
             if kept.tokens:
                 self._pending[row.req_id] = kept
                 drafts[row.row] = kept.tokens
@@ -469,6 +494,7 @@ class NgramRLProposer:
         stats = self.stats
         return {"steps": stats.steps, "drafts": stats.drafts, "drafted_tokens": stats.drafted_tokens,
                 "prefetch_hits": stats.prefetch_hits, "cut_tokens": stats.cut_tokens,
+                "invalid_tokens": stats.invalid_tokens,
                 "finished_rollouts": stats.finished_rollouts, "row_steps": stats.row_steps,
                 "committed_tokens": stats.committed_tokens, "accepted_tokens": stats.accepted_tokens,
                 "expected_accepted": round(stats.expected_accepted, 2),

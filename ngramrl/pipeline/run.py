@@ -236,10 +236,10 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
                                      for rank, t in enumerate(trainers)])
             progress.set_description(f"step {step}: weights")
             sync_begin = time.perf_counter()
-            weights = trainers[0].weights.remote()
-            ray.get([w.load_weights.remote(weights) for w in workers])
+            gathered = [t.weights.remote() for t in trainers]  # every rank joins the gather (ZeRO-3)
+            ray.get([w.load_weights.remote(gathered[0]) for w in workers] + gathered[1:])
             sync_seconds = time.perf_counter() - sync_begin
-            sync_error, checksum = _weight_sync_error(ray, trainers[0], workers)
+            sync_error, checksum = _weight_sync_error(ray, trainers, workers)
             if pool is not None and config.pool.save_every and (step + 1) % config.pool.save_every == 0:
                 pool.save()
             health = pool.health() if pool is not None else []
@@ -293,12 +293,12 @@ def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]
 CHECKED_WEIGHTS = ["model.embed_tokens.weight"]
 
 
-def _weight_sync_error(ray: Any, trainer: Any, workers: list[Any]) -> tuple[float, float]:
-    """How far the engines' weights are from the trainer's, on a parameter both name the same;
-    and the trainer's own sum of it."""
-    expected = ray.get(trainer.param_sums.remote(CHECKED_WEIGHTS))
+def _weight_sync_error(ray: Any, trainers: list[Any], workers: list[Any]) -> tuple[float, float]:
+    """How far the engines' and the other ranks' weights are from rank 0's, on a parameter all
+    name the same; and rank 0's own sum of it. Every rank is asked (a collective under ZeRO-3)."""
+    expected, *others = ray.get([t.param_sums.remote(CHECKED_WEIGHTS) for t in trainers])
     worst = 0.0
-    for sums in ray.get([w.param_sums.remote(CHECKED_WEIGHTS) for w in workers]):
+    for sums in others + ray.get([w.param_sums.remote(CHECKED_WEIGHTS) for w in workers]):
         for name, value in expected.items():
             if name not in sums:
                 continue
