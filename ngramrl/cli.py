@@ -50,11 +50,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import json
+
     from ngramrl.data.generate import GenerationConfig, generate_trace
     from ngramrl.data.models import prepare_smollm2
     from ngramrl.data.workloads import load_tasks
-
-    import json
 
     try:
         settings = json.loads(args.task_settings) if args.task_settings else {}
