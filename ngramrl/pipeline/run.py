@@ -25,6 +25,7 @@ from ngramrl.pipeline.config import TrainConfig, load_reward
 from ngramrl.pipeline.grpo import group_advantages
 from ngramrl.pipeline.metrics import draft_rates, ratio
 from ngramrl.pipeline.pool import DrafterPool
+from ngramrl.pipeline.report import write_report
 from ngramrl.pipeline.rewards import reward
 from ngramrl.pipeline.tracking import Tracker
 
@@ -71,6 +72,7 @@ class TrainResult:
     output_dir: str
     rollouts: list[Rollout] = field(default_factory=list)
     wandb_dir: str | None = None
+    report_path: str | None = None  # report.png: reward, tokens per forward, rollout time, the trace's replay
 
     def summary(self) -> str:
         head = (f"{'step':>4} {'reward':>7} {'loss':>8} {'tok/fwd':>7} {'offered':>7} {'accept':>6} {'cover':>6} "
@@ -84,6 +86,8 @@ class TrainResult:
                         f"{r.pool_fallback_rows:>8d} {r.pool_restarts:>8d}")
         total = sum(r.rollout_seconds for r in self.steps)
         rows.append(f"rollout time {total:.1f}s over {len(self.steps)} steps; trace: {self.trace_path}")
+        if self.report_path:
+            rows.append(f"report: {self.report_path}")
         return "\n".join(rows)
 
 
@@ -254,6 +258,9 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             progress.update(1)
         progress.close()
         result = TrainResult(records, trace.path, output_dir, trace.rollouts, tracker.directory)
+        result.report_path, summary = write_report(output_dir, [asdict(r) for r in records], trace.path,
+                                                   rollout.num_speculative_tokens, config.ngramrl.history)
+        tracker.log_report(result.report_path, summary)
         with open(os.path.join(output_dir, "summary.json"), "w") as handle:
             json.dump([asdict(r) for r in records], handle, indent=1)
         return result
