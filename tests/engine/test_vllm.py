@@ -294,3 +294,33 @@ def test_many_requests_at_the_settings_users_pick(tiny_model_dir, tmp_path, coun
     sampled_plain = [o for epoch in plain["outputs"] for i, o in enumerate(epoch) if i % 4]
     sampled = [o for epoch in drafted["outputs"] for i, o in enumerate(epoch) if i % 4]
     assert chi2_same_distribution([o[0] for o in sampled_plain], [o[0] for o in sampled]) > 1e-4
+
+
+def test_after_a_weight_sync_the_engine_computes_the_trainers_policy(tiny_model_dir, tmp_path):
+    """New weights sent the way the trainer sends them (ngramrl_load_weights): the engine's greedy
+    tokens and their log-probabilities are those of the same weights in Hugging Face transformers.
+    (vLLM logs 'RotaryEmbedding: Failed to load weights' on such a reload: the rotary cache is no
+    weight of the checkpoint, so it keeps the one it has, which depends on the config alone.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, os.path.dirname(RUNNER))
+    from vllm_runner import perturbed_weights
+
+    spec = {"model": tiny_model_dir, "k": 4, "dtype": "float32", "perturb_seed": 7, "logprobs": True,
+            "epochs": [[{"prompt": prompt, "prompt_id": pid, "max_tokens": 12} for pid, prompt in PROMPTS.items()]]}
+    synced = run(tmp_path, "synced", {**spec, "draft": "ngramrl"})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.load_state_dict(perturbed_weights(spec))
+    untouched = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    differs = False
+    for prompt, tokens, logprobs in zip(PROMPTS.values(), synced["outputs"][0], synced["logprobs"][0], strict=True):
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            expected = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+            before = untouched(ids).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
+        assert expected.argmax(-1).tolist() == tokens          # greedy: the trainer's argmax at every step
+        got = torch.tensor(logprobs)
+        assert torch.allclose(got, expected[torch.arange(len(tokens)), tokens], atol=2e-3)
+        differs |= before != tokens
+    assert differs, "the noise should change the policy's choices somewhere"
