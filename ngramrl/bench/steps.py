@@ -12,8 +12,9 @@ finished request's slot goes to the next one (continuous batching). Each step:
    one hides it behind the forward. The simulated clock, from which the proposer's step-cost
    model learns, advances by that much; no real time passes.
 3. Meanwhile, for real: a pass over a buffer larger than the caches stands for the forward's
-   memory traffic (it leaves the drafter's data out of the caches, as a forward does), and a
-   prefetch worker, if the proposer has one, gets up to the forward's length of real time.
+   memory traffic (it leaves the drafter's data out of the caches, as a forward does), and the
+   drafting core's background work (inserts and prefetch, where the proposer prefetches on the
+   native core) gets up to the forward's length of real time.
 4. The proposer is called with each row's committed tokens (vLLM's ``propose`` convention, on
    ``StandInRunner``); its time is measured (real CPU time, on the critical path of a
    synchronous engine) and its drafts go to the next forward.
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -149,7 +149,7 @@ class StepRecord:
     forward_s: float     # simulated
     host_s: float        # simulated host work per step
     critical_ns: int     # the proposer's call, real time (times the clock's cpu_scale)
-    offpath_ns: int      # prefetch work during this step's forward, real time
+    offpath_ns: int      # the drafting core's background work during this step's forward, real time
 
     def seconds(self, synchronous: bool) -> float:
         """The step's time: a synchronous engine runs the host's work, the forward and the
@@ -187,8 +187,14 @@ class SimulatedEngine:
         if self.proposer is not None and self.seed_history is not None:
             self.seed_history(self.proposer, rollouts)
 
-    def _prefetch(self) -> Any:
-        return getattr(self.proposer, "prefetch", None)
+    def _background(self) -> Any:
+        """The proposer's drafting core where its work runs during the forward (the native core,
+        prefetching), else None: the reference core and a proposer without prefetch do all their
+        work in the call, on the critical path."""
+        core = getattr(self.proposer, "core", None)
+        if core is None or not getattr(self.proposer, "prefetching", False) or not core.native:
+            return None
+        return core
 
     def run_phase(self, requests: list[PhaseRequest], batch: int, waves: bool = False) -> list[StepRecord]:
         """Generate every request of the phase, at most ``batch`` at once; ``waves``: in groups of
@@ -196,28 +202,13 @@ class SimulatedEngine:
         instead of continuous batching."""
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
-        if self._prefetch() is None:
-            return self._run_phase(requests, batch, waves)
-        # This loop's own work between two proposer calls stands for the engine's, whose time is
-        # simulated (the host overhead), while the prefetch worker runs: with Python's default
-        # GIL switch interval (5 ms) the loop would wait for the worker in 5 ms slices, handing
-        # the worker more real time than the forward lasts. A short interval keeps the worker's
-        # window at about the forward's length.
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(1e-4)
-        try:
-            return self._run_phase(requests, batch, waves)
-        finally:
-            sys.setswitchinterval(interval)
-
-    def _run_phase(self, requests: list[PhaseRequest], batch: int, waves: bool) -> list[StepRecord]:
         runner = self.runner
         queue = deque(requests)
         live: dict[str, _Live] = {}
         records: list[StepRecord] = []
-        prefetch = self._prefetch()
+        background = self._background()
         returned = time.perf_counter()  # when the proposer's last call returned
-        busy = prefetch.stats.busy_ns if prefetch is not None else 0  # the worker's CPU time until then
+        busy = background_ns(background)  # the core's background work until then
         while queue or live:
             if not waves or not live:
                 while len(live) < batch and queue:
@@ -254,21 +245,21 @@ class SimulatedEngine:
             if self._flush is not None and self.proposer is not None:
                 self._flush.sum()  # the forward's memory traffic (what it does to the proposer's data)
             critical = offpath = 0
-            if prefetch is not None:
-                # The worker has had real time since the proposer's last call returned (this
-                # loop's own work included); it gets the forward's length in all, then is told to
-                # stop, as the forward's end does; the proposer's call waits for the lookup in hand.
-                prefetch.wait_idle(max(0.0, forward - (time.perf_counter() - returned)))
-                prefetch.stop()
+            if background is not None:
+                # The background work has had real time since the proposer's last call returned
+                # (this loop's own work included); it gets the forward's length in all. The
+                # proposer's call then stops it, as at the forward's end in an engine (what is
+                # left of the row in hand is on the critical path).
+                background.wait_idle(max(0.0, forward - (time.perf_counter() - returned)))
             if self.proposer is not None:
                 with self.clock.running():
                     begin = time.perf_counter_ns()
                     drafts = self.proposer.propose(sampled, lengths, None)
                     critical = int(self.clock.cpu_scale * (time.perf_counter_ns() - begin))
                 returned = time.perf_counter()
-                if prefetch is not None:
-                    offpath = prefetch.stats.busy_ns - busy  # what it did during this forward
-                    busy = prefetch.stats.busy_ns
+                if background is not None:
+                    done = background_ns(background)
+                    offpath, busy = done - busy, done  # what it did during this forward (and the call)
             else:
                 drafts = [[] for _ in rows]
             records.append(StepRecord(len(rows), decode_rows, drafted, committed_tokens, forward, host, critical,
@@ -282,10 +273,21 @@ class SimulatedEngine:
         return records
 
     def close(self) -> None:
-        """Let the proposer's last drafts go (its worker, if any, stops)."""
-        prefetch = self._prefetch()
-        if prefetch is not None:
-            prefetch.collect()
+        """Let the proposer's last drafts go (its core's background work, if any, stops)."""
+        core = getattr(self.proposer, "core", None)
+        if core is not None:
+            core.collect(cancel=True)
+
+
+BACKGROUND_TIMINGS = ("absorb_ns", "plan_ns", "prefetch_lookup_ns")  # a prefetching native core's background work
+
+
+def background_ns(core: Any) -> int:
+    """The work time the native core's background has spent so far (0 without one)."""
+    if core is None:
+        return 0
+    timings = core.timings()
+    return sum(timings[name] for name in BACKGROUND_TIMINGS)
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -333,12 +335,10 @@ def method_available(method: str) -> str | None:
 
 
 def _seed_ngramrl(proposer: Any, rollouts: list[Rollout]) -> None:
-    history = proposer.history
+    core = proposer.core
     for rollout in rollouts:
-        history.add_rollout(rollout.prompt_id, rollout.prompt, rollout.output, epoch=rollout.epoch)
-    for prompt_id in history.prompt_ids():  # built now, not in the first steps
-        history.index_of(prompt_id)
-    history.global_index()
+        core.add_rollout(rollout.prompt_id, rollout.prompt, rollout.output, epoch=rollout.epoch)
+    core.build_indexes()  # now, not in the first steps
 
 
 def _seed_baseline(proposer: Any, rollouts: list[Rollout]) -> None:

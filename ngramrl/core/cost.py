@@ -48,7 +48,7 @@ KNEES = (0,) + tuple(sorted({int(round(4 * 2 ** (i / 4))) for i in range(45)}))
 PLATEAU_GAIN = 0.2  # a knee is chosen only if it leaves this much less squared error than no plateau
 
 
-def excess_tokens(requests: int, draft_tokens: int, knee: int) -> int:
+def excess_tokens(requests: int, draft_tokens: float, knee: int) -> float:
     """Draft tokens of a step past the forward's plateau of ``knee`` tokens."""
     return max(0, requests + draft_tokens - knee) - max(0, requests - knee)
 
@@ -109,7 +109,12 @@ class StepCostModel:
         """Tokens (requests plus draft tokens) a step holds before each one costs ``per_token``."""
         return 0 if self.steps < 2 else self._solve()[1]
 
-    def step_time(self, requests: int, draft_tokens: int) -> float:
+    @property
+    def fit(self) -> tuple[float, float, float, float, int]:
+        """The coefficients and the knee in one tuple: what the drafting core's ``lengths`` reads."""
+        return (*self.coefficients, self.knee)
+
+    def step_time(self, requests: int, draft_tokens: float) -> float:
         base, per_request, per_token, per_verify = self.coefficients
         return (base + per_request * requests + per_token * excess_tokens(requests, draft_tokens, self.knee)
                 + per_verify * (draft_tokens > 0))
@@ -160,7 +165,7 @@ class FixedStepCost(StepCostModel):
         return self.fixed_knee
 
 
-def drafting_pays(model: StepCostModel, requests: int, draft_tokens: int, expected_accepted: float,
+def drafting_pays(model: StepCostModel, requests: int, draft_tokens: float, expected_accepted: float,
                   drafting_s: float, plain_s: float, min_gain: float = 0.0) -> bool:
     """Whether a step that looks up and verifies drafts beats one that does neither by ``min_gain``,
     the proposer's own time included (it is on a synchronous engine's critical path): the drafts
