@@ -68,6 +68,9 @@ except ImportError as err:
     print("no torch:", err)
 import numpy
 print("numpy", numpy.__version__)
+from ngramrl.core.batch import native_module
+print("drafting core:", "native" if native_module() is not None else
+      "the Python reference (ngramrl._native is not built here; the projection's drafting times are the reference's)")
 EOF
 cat "$OUT/env.txt"
 

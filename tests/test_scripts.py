@@ -64,6 +64,7 @@ def test_gpu_check_runs_end_to_end_on_a_tiny_shape_on_the_cpu(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["env.txt", "profile.json", "profile.log", "progress.txt",
                                                      "projection.json", "projection.txt", "roofline.json"]
+    assert "drafting core: " in (out / "env.txt").read_text()  # which one the projection's drafting times are
     profile = json.loads((out / "profile.json").read_text())
     assert profile["source"] == "measured" and profile["model"]["name"] == "tiny"
     projection = json.loads((out / "projection.json").read_text())
