@@ -13,6 +13,7 @@ def _bench(args: argparse.Namespace) -> int:
     from ngramrl.bench.report import format_sweep, format_table, plot_coverage, plot_tokens_per_forward, write_json
     from ngramrl.bench.run import SWEEP_BUDGETS, BenchConfig, builtin_traces, measure_history_memory, run_bench
     from ngramrl.core.trace import read_trace
+    from ngramrl.paths import OutputPaths
 
     traces = args.traces or builtin_traces()
     if not args.traces:
@@ -20,6 +21,15 @@ def _bench(args: argparse.Namespace) -> int:
     config = BenchConfig(traces=traces, methods=args.method or BenchConfig.__dataclass_fields__["methods"]
                          .default_factory(), ks=args.k or [16], budget=args.budget,
                          sweep=SWEEP_BUDGETS if args.sweep or args.coverage_plot else [])
+    outputs = OutputPaths(inputs=traces)  # checked now: a bad path must not cost a replay
+    args.json = outputs.file(args.json, "--json")
+    args.plot = outputs.file(args.plot, "--plot")
+    args.coverage_plot = outputs.file(args.coverage_plot, "--coverage-plot")
+    if args.plot or args.coverage_plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot and --coverage-plot need matplotlib (pip install matplotlib)") from None
     results = run_bench(config, progress=not args.no_progress)
     print(format_table(results))
     sweep = format_sweep(results)
@@ -82,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("traces", nargs="*", metavar="TRACE",
                        help="trace files (.jsonl or .jsonl.gz); default: the traces shipped with ngramrl")
     bench.add_argument("--method", action="append", help="ngramrl, suffix, pld, none or oracle (repeatable)")
-    bench.add_argument("--k", type=int, action="append", help="most draft tokens per step (repeatable; 16)")
+    bench.add_argument("--k", type=int, action="append", help="most draft tokens per step, 1-256 (repeatable; 16)")
     bench.add_argument("--budget", type=int, default=16, help="prefetch candidates per request per step")
     bench.add_argument("--json", help="also write the results as JSON here")
     bench.add_argument("--plot", help="write a PNG of tokens per forward by method and trace")

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from ngramrl.cli import main
 from ngramrl.core.trace import Rollout, TraceHeader, write_trace
 
@@ -52,3 +54,52 @@ def test_bench_rejects_unknown_method(tmp_path, capsys):
     trace = small_trace(tmp_path / "toy.jsonl")
     assert main(["bench", trace, "--method", "medusa", "--no-progress"]) == 2
     assert "unknown method 'medusa'" in capsys.readouterr().err
+
+
+def no_replay(monkeypatch):
+    """Fail the test if a replay starts: the checks below must come before any work."""
+    import ngramrl.bench.run
+
+    def replay_started(*args, **kwargs):
+        raise AssertionError("the replay ran before the outputs were checked")
+
+    monkeypatch.setattr(ngramrl.bench.run, "run_bench", replay_started)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--json", "{tmp}/no/such/dir/out.json"], "--json '{tmp}/no/such/dir/out.json': the directory"),
+    (["--json", "{tmp}"], "--json '{tmp}' is a directory"),
+    (["--json", "{trace}"], "--json '{trace}' is also an input"),
+    (["--plot", "{trace}"], "--plot '{trace}' is also an input"),
+    (["--coverage-plot", "{tmp}/toy.jsonl.gz"], "is also an input"),
+    (["--json", "{tmp}/a.out", "--plot", "{tmp}/a.out"], "--plot '{tmp}/a.out' is also --json"),
+    (["--json", "{tmp}/toy.jsonl.gz/x.json"], "is a file, not a directory"),
+    (["--k", "100000"], "--k must be between 1 and 256"),
+    (["--k", "0"], "--k must be between 1 and 256"),
+])
+def test_bench_refuses_bad_outputs_and_k_before_replaying(tmp_path, capsys, monkeypatch, flags, message):
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    before = open(trace, "rb").read()
+    no_replay(monkeypatch)
+    fill = lambda text: text.format(tmp=tmp_path, trace=trace)  # noqa: E731
+    assert main(["bench", trace, *map(fill, flags), "--no-progress"]) == 2
+    assert fill(message) in capsys.readouterr().err
+    assert open(trace, "rb").read() == before  # the input is untouched
+
+
+def test_bench_rejects_a_duplicated_rollout_naming_its_line(tmp_path, capsys):
+    path = tmp_path / "dup.jsonl"
+    lines = open(small_trace(tmp_path / "toy.jsonl")).read().splitlines()
+    path.write_text("\n".join(lines[:5] + [lines[4]] + lines[5:]) + "\n")
+    assert main(["bench", str(path), "--method", "none", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:6:" in err and "appears twice (first on line 5)" in err
+
+
+def test_bench_refuses_a_trace_with_nothing_to_replay(tmp_path, capsys):
+    path = tmp_path / "epoch0.jsonl"
+    rollouts = [Rollout("a", 0, s, [1, 2], [10, 11, 2], "stop") for s in range(3)]
+    write_trace(str(path), TraceHeader(vocab_size=100, eos_token_ids=[2]), rollouts)
+    assert main(["bench", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: nothing to replay: it holds epoch 0 only" in err
