@@ -72,14 +72,24 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from ngramrl.pipeline.config import load_config
+    from ngramrl.pipeline.rundir import plan_run_dir
 
-    config = load_config(args.config, args.set)  # rejected here, before Ray starts
+    overrides = list(args.set)
+    if args.resume or args.overwrite:
+        overrides.append(f"run.if_exists={'resume' if args.resume else 'overwrite'}")
+    config = load_config(args.config, overrides)  # rejected here, before Ray starts
+    plan = plan_run_dir(config)                     # and every output path
     if args.check:
-        print(f"{args.config or '<defaults>'}: ok")
+        what = {"new": "a new run", "resume": "resumes the run there",
+                "overwrite": f"deletes the earlier run there ({', '.join(plan.found)})"}[plan.mode]
+        print(f"{args.config or '<defaults>'}: ok; run.output_dir {plan.path}: {what}")
         return 0
     from ngramrl.pipeline.run import train
 
-    result = train(config)
+    try:
+        result = train(config)
+    except KeyboardInterrupt:
+        return 130  # what was done is saved (train says what and where)
     print(result.summary())
     return 0
 
@@ -121,7 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", help="YAML run configuration (default: the built-in CPU default)")
     tr.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override one setting, e.g. --set run.steps=3 (repeatable)")
-    tr.add_argument("--check", action="store_true", help="only validate the configuration")
+    tr.add_argument("--check", action="store_true", help="only validate the configuration and output paths")
+    existing = tr.add_mutually_exclusive_group()
+    existing.add_argument("--resume", action="store_true",
+                          help="continue the run in run.output_dir (append to its trace and metrics, continue its "
+                               "epochs, restore its drafter pool); same as --set run.if_exists=resume")
+    existing.add_argument("--overwrite", action="store_true",
+                          help="delete the earlier run's files in run.output_dir first; same as "
+                               "--set run.if_exists=overwrite")
     tr.set_defaults(func=_train)
     return parser
 
@@ -134,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     except (TraceError, ValueError, FileNotFoundError) as err:
         print(f"ngramrl {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except TimeoutError as err:
+        print(f"ngramrl {args.command}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -103,3 +103,49 @@ def test_bench_refuses_a_trace_with_nothing_to_replay(tmp_path, capsys):
     assert main(["bench", str(path), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert f"{path}: nothing to replay: it holds epoch 0 only" in err
+
+
+def test_train_check_refuses_an_earlier_run_unless_told_what_to_do(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    args = ["train", "--check", "--set", f"run.output_dir={out}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"run.output_dir '{out}' holds an earlier run (metrics.jsonl); continue it with --resume" in err
+    assert main(args + ["--resume"]) == 0 and "resumes the run there" in capsys.readouterr().out
+    assert main(args + ["--overwrite"]) == 0
+    assert "deletes the earlier run there (metrics.jsonl)" in capsys.readouterr().out
+    assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'  # --check changes nothing
+    assert main(args + ["--set", "run.if_exists=resume"]) == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "{tmp}"], "is a directory, not a YAML config file"),
+    (["--config", "{tmp}/empty.yaml"], "empty.yaml: is empty"),
+    (["--set", "rollout.top_k=-7"], "top_k must be -1 or 0 (no top-k) or >= 1, got -7"),
+    (["--set", "rollout.top_k=[1,"], "is not valid YAML"),
+    (["--set", "run.output_dir={tmp}/empty.yaml"], "output_dir '{tmp}/empty.yaml' is a file"),
+    (["--set", "model.path={tmp}"], "not a model directory (it holds no config.json"),
+    (["--set", "run.output_dir={tmp}/run", "--set", "pool.restore_from={tmp}/run/pool", "--overwrite"],
+     "pool.restore_from '{tmp}/run/pool' lies in run.output_dir"),
+    (["--set", "run.output_dir={tmp}/run/metrics.jsonl/x"], "is a file, not a directory"),
+    (["--set", "run.output_dir={tmp}/run", "--set", "model.path={tmp}/run"], "is also an input"),
+    (["--resume", "--overwrite"], None),
+])
+def test_train_check_catches_each_case_before_anything_starts(tmp_path, capsys, args, message):
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "run" / "pool").mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    (tmp_path / "run" / "config.json").write_text("{}")
+    fill = lambda text: text.replace("{tmp}", str(tmp_path))  # noqa: E731
+    if message is None:  # argparse: not both
+        with pytest.raises(SystemExit):
+            main(["train", "--check", *args])
+        return
+    assert main(["train", "--check", *map(fill, args)]) == 2
+    assert fill(message) in capsys.readouterr().err
+
+
+def test_train_check_accepts_learning_rate_in_exponent_notation(tmp_path):
+    assert main(["train", "--check", "--set", "trainer.learning_rate=1e-6", "--set", f"run.output_dir={tmp_path}"]) == 0
