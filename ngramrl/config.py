@@ -119,6 +119,8 @@ class PrefetchConfig:
     prior_strength: float = 4.0        # pseudo-observations behind the drafter's own estimate
     calibration_decay: float = 0.99    # forgetting per observation of a calibration cell (acceptance drifts)
     workers: int = 2                   # lookup threads (the Ray drafter pool replaces them later)
+    wait_ms: float = 1000.0            # the longest the engine waits for its prefetch worker to stop; one
+    #                                    that overruns is a miss (no drafts until it stops), never a hang
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -134,6 +136,8 @@ class PrefetchConfig:
             raise ValueError(f"PrefetchConfig.calibration_decay must be in (0, 1], got {self.calibration_decay}")
         if self.prior_strength <= 0:
             raise ValueError(f"PrefetchConfig.prior_strength must be > 0, got {self.prior_strength}")
+        if self.wait_ms <= 0:
+            raise ValueError(f"PrefetchConfig.wait_ms must be > 0, got {self.wait_ms}")
 
 
 PREFETCH_MODES = ("auto", "on", "off")

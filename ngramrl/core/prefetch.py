@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -48,6 +49,7 @@ class PrefetchStats:
     dispatched: int = 0
     failed: int = 0
     late: int = 0
+    overruns: int = 0  # collects that found the worker still busy after the bounded wait
     # Per request per step: predicting outcomes and allocating the budget (and, for ``Prefetcher``,
     # starting the lookups); recent steps only, runs are long.
     plan_ns: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
@@ -159,12 +161,16 @@ class BackgroundPrefetch:
     before the index is used again; lookups that finished are used, the rest are simply not, and
     tokens it had no time to add are added by the next ``commit``.
 
+    The worker stops between lookups, so ``collect`` normally returns at once; it waits at most
+    ``config.wait_ms``. A worker still busy then (a long index rebuild, say) has overrun: ``collect``
+    returns None, and the caller must leave the drafter alone (the worker is using it) until a
+    later ``collect`` returns the worker idle; what the overrun step had computed is never used,
+    so an overrun costs drafts, never a wrong one.
+
     ``cores``: the CPU cores the thread runs on (those the forward leaves idle; empty: anywhere)."""
 
     def __init__(self, drafter: NgramDrafter, config: PrefetchConfig, calibration: AcceptanceCalibration,
                  cores: frozenset[int] = frozenset()) -> None:
-        import threading
-
         self.drafter = drafter
         self.config = config
         self.calibration = calibration
@@ -173,28 +179,53 @@ class BackgroundPrefetch:
         self._results: dict[tuple[str, int, int], Draft] = {}
         self._jobs: list[tuple[RequestState, Draft, int]] = []
         self._absorb: list[RequestState] = []
+        self._stale = False  # the work in hand overran: its results are not to be used
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
-        self._thread = threading.Thread(target=self._run, name="ngramrl-prefetch", daemon=True)
-        self._thread.start()
+        self._thread = self._start_thread()
+
+    def _start_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="ngramrl-prefetch", daemon=True)
+        thread.start()
+        return thread
+
+    @property
+    def busy(self) -> bool:
+        """The worker is still working (on the drafter) after a ``collect`` that overran."""
+        return not self._idle.is_set() and self._thread.is_alive()
 
     def dispatch(self, jobs: list[tuple[RequestState, Draft, int]], absorb: list[RequestState] = ()) -> None:
         """Drafts (request, draft, k) were sent for verification: add the ``absorb`` requests'
-        committed tokens to the index, then work on the drafts' likely outcomes."""
+        committed tokens to the index, then work on the drafts' likely outcomes. Only after a
+        ``collect`` that found the worker idle."""
+        if self.busy:
+            raise RuntimeError("BackgroundPrefetch.dispatch while the worker is busy: collect() first")
+        if not self._thread.is_alive():  # it died (an error outside its work): a new one takes over
+            self._thread = self._start_thread()
         self._jobs = jobs
         self._absorb = list(absorb)
         self._results = {}
+        self._stale = False
         self._stop.clear()
         self._idle.clear()
         self._wake.set()
 
-    def collect(self) -> dict[tuple[str, int, int], Draft]:
-        """Stop the worker (it finishes the lookup in hand) and return the lookups that finished."""
+    def collect(self) -> dict[tuple[str, int, int], Draft] | None:
+        """Stop the worker (it finishes the lookup in hand) and return the lookups that finished;
+        None if it did not stop within ``config.wait_ms`` (see the class notes)."""
         self._stop.set()
-        self._idle.wait()
-        return self._results
+        if not self._idle.wait(self.config.wait_ms / 1000) and self._thread.is_alive():
+            if not self._stale:
+                self.stats.overruns += 1
+            self._stale = True
+            return None
+        results, self._results = self._results, {}
+        if self._stale:  # a late finish: computed for tokens since superseded
+            self._stale = False
+            return {}
+        return results
 
     def _run(self) -> None:
         if self.cores and hasattr(os, "sched_setaffinity"):

@@ -53,6 +53,18 @@ def config_from_env(value: str | None) -> NgramRLConfig:
 
 
 @dataclass
+class HeldRequest:
+    """A request admitted while the prefetch worker overran: started once the drafter is free."""
+
+    prompt_id: str
+    prompt: list[int]
+    output: list[int]
+
+
+HELD_FINISHES = 4096  # rollouts kept for the history while the drafter is busy; older ones are dropped
+
+
+@dataclass
 class Row:
     """One batch row this step: its request, the tokens just committed, and room for a draft."""
 
@@ -77,6 +89,8 @@ class ProposerStats:
     expected_accepted: float = 0.0  # what the calibrated chances expected of them (their sum; the
     #                                 cost model scales chances by accepted / expected: the winner's curse)
     draft_ns_total: int = 0      # the proposer's time on the critical path, all steps
+    held_steps: int = 0          # steps that drafted nothing: the prefetch worker overran its wait
+    dropped_rollouts: int = 0    # rollouts not added to the history: too many held while it overran
     recent_draft_ns: deque[int] = field(default_factory=lambda: deque(maxlen=4096))  # bounded: runs are long
 
 
@@ -167,6 +181,10 @@ class NgramRLProposer:
         self._resume: tuple[int, int] | None = None
         self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch,
                                                              *_forward_resources(vllm_config))
+        # While the prefetch worker overruns (it still uses the drafter) nothing touches the drafter:
+        # committed tokens and finished requests wait here until it stops.
+        self._held_tokens: dict[str, list[int]] = {}
+        self._held_finishes: deque[tuple[str, Any, int, list[int]]] = deque()
         self._setup_drafting()
 
     # -- where drafts come from: the local history (overridden by the Ray drafter pool's client) --
@@ -185,9 +203,40 @@ class NgramRLProposer:
     def _finish(self, request: Any, epoch: int) -> None:
         self.drafter.finish(request, epoch=epoch)
 
-    def _begin_step(self) -> None:
-        """The forward that verified the last drafts is over: stop prefetching, take what finished."""
-        self._prefetched = self.prefetch.collect() if self.prefetch is not None else {}
+    def _begin_step(self) -> bool:
+        """The forward that verified the last drafts is over: stop prefetching, take what finished.
+        False while the worker overran its bounded wait and still uses the drafter."""
+        if self.prefetch is None:
+            return True
+        collected = self.prefetch.collect()
+        self._prefetched = collected or {}
+        return collected is not None
+
+    def _hold(self, rows: list[Row]) -> list[Draft]:
+        """A step while the drafter is busy: keep the committed tokens for later, draft nothing."""
+        for row in rows:
+            if isinstance(row.request, HeldRequest):
+                row.request.output.extend(row.sampled)
+            else:
+                self._held_tokens.setdefault(row.req_id, []).extend(row.sampled)
+        self.stats.held_steps += 1
+        return [EMPTY] * len(rows)
+
+    def _release(self) -> None:
+        """The drafter is free again: what waited enters it, in order (finished rollouts first)."""
+        while self._held_finishes:
+            req_id, request, epoch, tokens = self._held_finishes.popleft()
+            if isinstance(request, HeldRequest):
+                request = self._start(req_id, request.prompt_id, request.prompt, request.output)
+            elif tokens:
+                self.drafter.defer(request, tokens)
+            self._finish(request, epoch)
+        for req_id, request in self.requests.items():
+            if isinstance(request, HeldRequest):
+                self.requests[req_id] = self._start(req_id, request.prompt_id, request.prompt, request.output)
+            elif req_id in self._held_tokens:
+                self.drafter.defer(request, self._held_tokens[req_id])
+        self._held_tokens.clear()
 
     def _draft(self, rows: list[Row]) -> list[Draft]:
         """Commit each row's sampled tokens and make its next draft (at most ``row.k`` tokens).
@@ -239,7 +288,8 @@ class NgramRLProposer:
         if self.prefetch is not None:
             plan = self.prefetch.stats.plan_ns
             stats.update(prefetch_dispatched=self.prefetch.stats.dispatched,
-                         prefetch_failed=self.prefetch.stats.failed,
+                         prefetch_failed=self.prefetch.stats.failed, prefetch_overruns=self.prefetch.stats.overruns,
+                         held_steps=self.stats.held_steps, dropped_rollouts=self.stats.dropped_rollouts,
                          prefetch_plan_us_median=statistics.median(plan) / 1000 if plan else None)
         return stats
 
@@ -280,14 +330,17 @@ class NgramRLProposer:
         if self._step_started is not None and batch == self._last_batch:
             self.cost.observe(len(batch), self._verified_tokens, begin / 1e9 - self._step_started)
         self._last_batch = batch
-        self._begin_step()
-        self._retire(runner.requests)
+        usable = self._begin_step()
+        if usable and (self._held_finishes or self._held_tokens or any(
+                isinstance(r, HeldRequest) for r in self.requests.values())):
+            self._release()
+        self._retire(runner.requests, usable)
         rows: list[Row] = []
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for row, sampled in enumerate(sampled_token_ids):
             req_id = req_ids[row]
             if req_id not in self.requests:
-                self._admit(req_id, runner.requests.get(req_id), sampled)
+                self._admit(req_id, runner.requests.get(req_id), sampled, usable)
             request = self.requests.get(req_id)
             if request is None or not sampled:
                 continue
@@ -307,11 +360,11 @@ class NgramRLProposer:
         elif self._resume is not None and len(rows) >= self._resume[0]:
             self._resume_probe_interval(self.stats.steps)
         exploring = self._exploring(self.stats.steps)
-        looked = self._looks_up(self.stats.steps, len(rows))
+        looked = usable and self._looks_up(self.stats.steps, len(rows))
         if not looked:
             for row in rows:  # no draft could pay for its verification now: skip the lookups
                 row.k = 0
-        made = self._draft(rows)
+        made = self._draft(rows) if usable else self._hold(rows)
         lengths, expected, paid = self._lengths(made, exploring)
         if looked and self.config.engine.adaptive_length:
             self._back_off(paid, len(rows), exploring)
@@ -331,7 +384,8 @@ class NgramRLProposer:
                 self.stats.drafts += 1
                 self.stats.drafted_tokens += len(kept.tokens)
         self._verified_tokens = sum(len(d) for d in drafts)  # draft tokens the next forward verifies
-        self._end_step(rows, [self._pending.get(row.req_id, EMPTY) for row in rows])
+        if usable:
+            self._end_step(rows, [self._pending.get(row.req_id, EMPTY) for row in rows])
         self.stats.steps += 1
         end = time.perf_counter_ns()
         self.stats.draft_ns_total += end - begin
@@ -416,7 +470,7 @@ class NgramRLProposer:
         self._next_probe = step + self._probe_every
         self._resume = None
 
-    def _admit(self, req_id: str, cached: Any, sampled: list[int]) -> None:
+    def _admit(self, req_id: str, cached: Any, sampled: list[int], usable: bool = True) -> None:
         """First sight of a request: start it as a live sequence of its prompt."""
         params = getattr(cached, "sampling_params", None) if cached is not None else None
         extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
@@ -427,20 +481,31 @@ class NgramRLProposer:
             return
         produced = list(getattr(cached, "output_token_ids", []) or [])
         before = produced[: max(0, len(produced) - len(sampled))]  # tokens from before this step
-        self.requests[req_id] = self._start(req_id, str(prompt_id), list(prompt), before)
+        if usable:
+            self.requests[req_id] = self._start(req_id, str(prompt_id), list(prompt), before)
+        else:
+            self.requests[req_id] = HeldRequest(str(prompt_id), list(prompt), before)
         self.epochs[req_id] = int(extra.get("epoch", 0))
 
-    def _retire(self, live: dict[str, Any]) -> None:
-        """Requests that left the runner are finished: their outputs become rollouts of their epoch."""
+    def _retire(self, live: dict[str, Any], usable: bool = True) -> None:
+        """Requests that left the runner are finished: their outputs become rollouts of their epoch
+        (once the drafter is free, if it is busy now)."""
         retired = [rid for rid in self.requests if rid not in live]
         for req_id in retired:
             request = self.requests.pop(req_id)
             epoch = self.epochs.pop(req_id, 0)
             self._pending.pop(req_id, None)
             self.follower.drop(req_id)
-            if request is not None:
+            if request is None:
+                continue
+            self.stats.finished_rollouts += 1
+            if usable:
                 self._finish(request, epoch)
-                self.stats.finished_rollouts += 1
+                continue
+            self._held_finishes.append((req_id, request, epoch, self._held_tokens.pop(req_id, [])))
+            if len(self._held_finishes) > HELD_FINISHES:  # a worker that never stops must not grow this
+                self._held_finishes.popleft()
+                self.stats.dropped_rollouts += 1
 
     def stats_dict(self) -> dict[str, Any]:
         """Counters since the engine started (what the rollout metrics are made of)."""

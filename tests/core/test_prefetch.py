@@ -253,3 +253,44 @@ def test_draft_follower_learns_acceptance_from_committed_tokens_verified_or_not(
     follower.drop("t")
     follower.committed("t", [2])              # a dropped request teaches nothing
     assert calibration.chance(0, 0.9) == pytest.approx((0 + 0.9) / (1 + 1.0))
+
+
+def test_background_prefetch_overrun_is_a_miss_not_a_hang():
+    """A worker stuck in a lookup: collect gives up after wait_ms (None: the drafter is still in use),
+    dispatch refuses to pile work on it, and what it finishes late is never used."""
+    import threading
+
+    from ngramrl.core.prefetch import BackgroundPrefetch
+
+    history, drafter, request, draft = first_draft(seed=8, temperature=0.8, prompt_id="p2")
+    gate, entered = threading.Event(), threading.Event()
+    lookup = drafter.lookup
+
+    def stuck(*args, **kwargs):
+        if threading.current_thread().name == "ngramrl-prefetch" and not gate.is_set():
+            entered.set()
+            gate.wait(30)
+        return lookup(*args, **kwargs)
+
+    drafter.lookup = stuck
+    background = BackgroundPrefetch(drafter, PrefetchConfig(budget=8, wait_ms=50), AcceptanceCalibration())
+    background.dispatch([(request, draft, K)])
+    assert entered.wait(5)
+    returned = []
+    waiter = threading.Thread(target=lambda: returned.append(background.collect()))
+    begin = time.perf_counter()
+    waiter.start()
+    waiter.join(5)
+    assert returned == [None] and time.perf_counter() - begin < 2  # bounded, not until the lookup ends
+    assert background.busy and background.stats.overruns == 1
+    with pytest.raises(RuntimeError, match="while the worker is busy"):
+        background.dispatch([(request, draft, K)])
+    assert background.collect() is None and background.stats.overruns == 1  # one overrun, counted once
+    gate.set()
+    deadline = time.time() + 5
+    while background.busy and time.time() < deadline:
+        time.sleep(0.01)
+    assert background.collect() == {}  # finished late: computed for tokens since superseded
+    background.dispatch([(request, draft, K)])
+    time.sleep(0.2)
+    assert background.collect()  # back to normal

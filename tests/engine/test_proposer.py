@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ngramrl.config import EngineConfig, NgramRLConfig
+from ngramrl.config import EngineConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.cost import FixedStepCost, StepCostModel
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, _cpu_list, config_to_env, prefetch_plan
 
@@ -28,8 +28,9 @@ class FakeRunner:
         self.input_batch.req_ids.remove(req_id)
 
 
-def make_proposer(monkeypatch, cost, k=4, prefetch="off", **engine):
-    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch, **engine))))
+def make_proposer(monkeypatch, cost, k=4, prefetch="off", prefetch_config=None, **engine):
+    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch, **engine),
+                                                               prefetch=prefetch_config or PrefetchConfig())))
     vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
                                   model_config=SimpleNamespace(max_model_len=4096,
                                                                hf_config=SimpleNamespace(eos_token_id=2)),
@@ -299,3 +300,55 @@ def test_prefetch_setting_is_checked():
     assert EngineConfig(prefetch=True).prefetch == "on"  # older configs said true / false
     with pytest.raises(ValueError, match="EngineConfig.prefetch"):
         EngineConfig(prefetch="sometimes")
+
+
+def test_a_prefetch_worker_that_overruns_costs_drafts_never_a_hang_or_a_wrong_draft(monkeypatch):
+    """The worker gets stuck in a lookup for a few steps: those steps draft nothing and wait no
+    longer than wait_ms; requests that start and end meanwhile enter the history once it stops;
+    and the drafts afterwards are those of synchronous drafting."""
+    import threading
+
+    pattern = [100, 101, 102, 103, 104, 105]
+    made, histories = {}, {}
+    for mode in ("off", "on"):
+        proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), prefetch=mode,
+                                            prefetch_config=PrefetchConfig(wait_ms=50), adaptive_length=False)
+        gate = threading.Event()
+        if mode == "on":
+            lookup = proposer.drafter.lookup
+
+            def stuck(*args, lookup=lookup, gate=gate, **kwargs):
+                if threading.current_thread().name == "ngramrl-prefetch" and not gate.is_set():
+                    gate.wait(30)
+                return lookup(*args, **kwargs)
+
+            proposer.drafter.lookup = stuck
+        else:
+            gate.set()
+        proposer.history.add_rollout("p", [1, 2, 3], pattern * 20, epoch=0)
+        runner.add("r0", "p", [1, 2, 3])
+        runner.add("r1", "p", [1, 2, 3])
+        drafts = []
+        for s in range(30):
+            if s == 8:
+                runner.add("r2", "q", [1, 2, 3])   # starts while the worker is stuck
+            if s == 10:
+                runner.remove("r1")                 # and one ends meanwhile
+            if s == 14:
+                gate.set()
+            begin = time.perf_counter()
+            drafts.append(step(proposer, runner, [pattern[s % 6] for _ in runner.input_batch.req_ids]))
+            assert time.perf_counter() - begin < 1.0
+            time.sleep(0.005)
+        if mode == "on":
+            assert proposer.stats.held_steps >= 10 and proposer.prefetch.stats.overruns == 1
+            assert all(not any(d) for d in drafts[3:14])   # stuck: no drafts
+            assert proposer.stats_dict()["held_steps"] == proposer.stats.held_steps
+            proposer.prefetch.collect()
+        made[mode] = drafts[16:]
+        histories[mode] = (proposer.history.export()[0][2][-1][1], proposer.requests["r0"].output,
+                           proposer.requests["r2"].output)
+    assert made["on"] == made["off"] and any(any(d) for d in made["on"])
+    assert histories["on"] == histories["off"] == ([pattern[s % 6] for s in range(10)],  # r1's rollout
+                                                   [pattern[s % 6] for s in range(30)],
+                                                   [pattern[s % 6] for s in range(8, 30)])
