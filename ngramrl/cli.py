@@ -58,7 +58,9 @@ def _generate(args: argparse.Namespace) -> int:
     from ngramrl.data.generate import GenerationConfig, generate_trace
     from ngramrl.data.models import prepare_smollm2
     from ngramrl.data.workloads import load_tasks
+    from ngramrl.paths import OutputPaths
 
+    args.out = OutputPaths(inputs=[p for p in (args.model, args.spider_dir) if p]).file(args.out, "--out")
     tasks = load_tasks(args.workload, args.prompts, seed=args.seed, spider_dir=args.spider_dir)
     model_dir = args.model or prepare_smollm2()
     config = GenerationConfig(model_dir=model_dir, out_path=args.out, workload=args.workload,

@@ -149,3 +149,13 @@ def test_train_check_catches_each_case_before_anything_starts(tmp_path, capsys, 
 
 def test_train_check_accepts_learning_rate_in_exponent_notation(tmp_path):
     assert main(["train", "--check", "--set", "trainer.learning_rate=1e-6", "--set", f"run.output_dir={tmp_path}"]) == 0
+
+
+def test_generate_checks_its_output_before_loading_anything(tmp_path, capsys, monkeypatch):
+    import ngramrl.data.workloads
+
+    monkeypatch.setattr(ngramrl.data.workloads, "load_tasks", lambda *a, **k: pytest.fail("work started"))
+    assert main(["generate", "--workload", "gsm", "--out", str(tmp_path / "no" / "t.jsonl.gz")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert main(["generate", "--workload", "gsm", "--model", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
