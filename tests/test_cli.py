@@ -159,3 +159,14 @@ def test_generate_checks_its_output_before_loading_anything(tmp_path, capsys, mo
     assert "--out" in capsys.readouterr().err
     assert main(["generate", "--workload", "gsm", "--model", str(tmp_path), "--out", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_train_names_a_garbage_snapshot_before_anything_starts(tmp_path, capsys):
+    pool = tmp_path / "old" / "pool"
+    pool.mkdir(parents=True)
+    for index in range(2):
+        (pool / f"shard-{index}.json.gz").write_bytes(b"\x00garbage")
+    args = ["train", "--set", f"run.output_dir={tmp_path / 'run'}", "--set", f"pool.restore_from={pool}"]
+    assert main(args) == 2  # refused before Ray or a model is touched
+    assert f"{pool / 'shard-0.json.gz'}: not a readable drafter snapshot" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

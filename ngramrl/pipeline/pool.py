@@ -40,6 +40,45 @@ class SnapshotError(ValueError):
     """A drafter snapshot that cannot be restored; the message names the file."""
 
 
+def snapshot_path(snapshot_dir: str, index: int) -> str:
+    return os.path.join(snapshot_dir, f"shard-{index}.json.gz")
+
+
+def check_snapshots(snapshot_dir: str, shards: int) -> list[str]:
+    """The snapshot files a pool of ``shards`` restores from ``snapshot_dir``, checked from their
+    first bytes (quick: before anything starts) for being this pool's; a ``SnapshotError`` or
+    ``FileNotFoundError`` naming the file otherwise. Loading checks the rest."""
+    import glob
+    import re
+
+    for path in sorted(glob.glob(os.path.join(snapshot_dir, "shard-*.json.gz"))):
+        index = os.path.basename(path)[len("shard-"):-len(".json.gz")]
+        if not index.isdigit() or int(index) >= shards:
+            raise SnapshotError(f"{path}: a snapshot of a pool of more shards; this pool has {shards} "
+                                f"(pool.shards must be the saved pool's)")
+    paths = []
+    for index in range(shards):
+        path = snapshot_path(snapshot_dir, index)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: no saved drafter shard {index} (was the pool saved with "
+                                    f"{shards} shards?)")
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as handle:
+                head = handle.read(120)
+        except (OSError, EOFError, UnicodeDecodeError) as err:
+            raise SnapshotError(f"{path}: not a readable drafter snapshot ({type(err).__name__}: {err})") from None
+        found = re.match(r'\{"version": (\d+), "shard": (\d+), "shards": (\d+)', head)
+        if found is None:
+            raise SnapshotError(f"{path}: not a drafter snapshot of version {SNAPSHOT_VERSION} (it starts "
+                                f"{head[:40]!r})")
+        version, shard, count = map(int, found.groups())
+        if version != SNAPSHOT_VERSION or shard != index or count != shards:
+            raise SnapshotError(f"{path}: holds shard {shard} of a pool of {count} shards (version {version}); "
+                                f"this is shard {index} of {shards}")
+        paths.append(path)
+    return paths
+
+
 def shard_of(prompt_id: str, shards: int) -> int:
     """The shard that owns a prompt: a stable hash, the same in every process and run."""
     return zlib.crc32(prompt_id.encode("utf-8")) % shards
@@ -340,7 +379,7 @@ class DrafterPool:
         if any, stays on disk)."""
         refs = []
         for index, handle in enumerate(self.handles):
-            path = os.path.join(self.snapshot_dir, f"shard-{index}.json.gz")
+            path = snapshot_path(self.snapshot_dir, index)
             refs.append((index, path, handle.save.remote(path)))
         saved: list[str | None] = [None] * len(self.handles)
         deadline = time.monotonic() + timeout_s
@@ -357,21 +396,8 @@ class DrafterPool:
     def restore(self, snapshot_dir: str, timeout_s: float = 600.0) -> int:
         """Load every shard's saved history from ``snapshot_dir`` (a resumed run starts warm); a
         snapshot of another shard or shard count, or a damaged one, is refused naming its file."""
-        import glob
-
-        count = len(self.handles)
-        for path in sorted(glob.glob(os.path.join(snapshot_dir, "shard-*.json.gz"))):
-            index = os.path.basename(path)[len("shard-"):-len(".json.gz")]
-            if not index.isdigit() or int(index) >= count:
-                raise SnapshotError(f"{path}: a snapshot of a pool of more shards; this pool has {count} "
-                                    f"(pool.shards must be the saved pool's)")
-        refs = []
-        for index, handle in enumerate(self.handles):
-            path = os.path.join(snapshot_dir, f"shard-{index}.json.gz")
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"{path}: no saved drafter shard {index} (was the pool saved with "
-                                        f"{count} shards?)")
-            refs.append((path, handle.load.remote(path)))
+        paths = check_snapshots(snapshot_dir, len(self.handles))
+        refs = [(path, handle.load.remote(path)) for path, handle in zip(paths, self.handles, strict=True)]
         return sum(self._result(ref, f"restoring {path}", timeout_s) for path, ref in refs)
 
     def _result(self, ref: Any, what: str, timeout_s: float) -> Any:

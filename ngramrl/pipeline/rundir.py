@@ -21,6 +21,7 @@ from typing import Any
 from ngramrl.core.trace import Rollout, read_trace
 from ngramrl.paths import OutputPaths, inside
 from ngramrl.pipeline.config import ConfigError, TrainConfig
+from ngramrl.pipeline.pool import check_snapshots
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -141,4 +142,8 @@ def plan_run_dir(config: TrainConfig) -> RunDirPlan:
     if restore and mode == "overwrite" and inside(os.path.expanduser(restore), path):
         raise ConfigError(f"pool.restore_from {restore!r} lies in run.output_dir {run.output_dir!r}, whose "
                           f"earlier run --overwrite deletes; copy the snapshots elsewhere first")
+    if config.rollout.draft == "ngramrl":  # the snapshots it will restore: checked now, not after Ray starts
+        snapshots = os.path.expanduser(restore) if restore else os.path.join(path, POOL_DIR)
+        if restore or (mode == "resume" and glob.glob(os.path.join(snapshots, "shard-*.json.gz"))):
+            check_snapshots(snapshots, config.pool.shards)
     return RunDirPlan(path, mode, found)

@@ -4,8 +4,10 @@ import json
 
 import pytest
 
+from ngramrl.config import NgramRLConfig
 from ngramrl.core.trace import Rollout, TraceHeader, write_trace
 from ngramrl.pipeline.config import ConfigError, load_config
+from ngramrl.pipeline.pool import DrafterShard, SnapshotError
 from ngramrl.pipeline.rundir import plan_run_dir
 
 
@@ -19,8 +21,8 @@ def earlier_run(out):
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward": 0.5}) + "\n" for s in range(3)))
     (out / "summary.json").write_text(json.dumps([{"step": s} for s in range(3)]))
     (out / "config.json").write_text("{}")
-    (out / "pool").mkdir()
-    (out / "pool" / "shard-0.json.gz").write_bytes(b"")
+    for index in range(2):  # the default pool.shards
+        DrafterShard(index, NgramRLConfig(), shards=2).save(str(out / "pool" / f"shard-{index}.json.gz"))
     (out / "notes.txt").write_text("mine")
     return out
 
@@ -69,3 +71,20 @@ def test_a_damaged_earlier_run_is_reported_before_anything_starts(tmp_path):
     (out / "metrics.jsonl").write_text('{"step": 0}\nnot json\n')
     with pytest.raises(ConfigError, match=r"metrics.jsonl:2: not a metrics record"):
         plan(out, "run.if_exists=resume").prepare()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda pool: (pool / "shard-1.json.gz").write_bytes(b"garbage"), "shard-1.json.gz: not a readable drafter snap"),
+    (lambda pool: (pool / "shard-1.json.gz").unlink(), "shard-1.json.gz: no saved drafter shard 1"),
+    (lambda pool: (pool / "shard-0.json.gz").rename(pool / "shard-2.json.gz"), "a snapshot of a pool of more shards"),
+    (lambda pool: (pool / "shard-0.json.gz").write_bytes((pool / "shard-1.json.gz").read_bytes()),
+     "shard-0.json.gz: holds shard 1 of a pool of 2 shards"),
+])
+def test_the_snapshots_a_run_restores_are_checked_before_anything_starts(tmp_path, damage, message):
+    out = earlier_run(tmp_path / "run")
+    damage(out / "pool")
+    with pytest.raises((SnapshotError, FileNotFoundError), match=message):
+        plan(out, "run.if_exists=resume")
+    with pytest.raises((SnapshotError, FileNotFoundError), match=message):
+        plan(tmp_path / "other", f"pool.restore_from={out / 'pool'}")
+    plan(out, "run.if_exists=resume", "rollout.draft=none")  # nothing to restore: not checked
