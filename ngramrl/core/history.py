@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from ngramrl.config import HistoryConfig
 from ngramrl.core.automaton import ROOT, SuffixAutomaton
 
+_INT = {int}
+
 
 def token_ids(tokens: Iterable[int], what: str) -> list[int]:
     """``tokens`` as a list of non-negative ints (NumPy and other integer types are taken), or a
@@ -25,8 +27,11 @@ def token_ids(tokens: Iterable[int], what: str) -> list[int]:
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
         raise ValueError(f"{what} must be a sequence of token ids, got {tokens!r}")
     out = list(tokens)
-    if all(type(t) is int for t in out) and (not out or min(out) >= 0):
-        return out
+    try:
+        if not out or (min(out) >= 0 and set(map(type, out)) <= _INT):
+            return out
+    except TypeError:  # not comparable with ints: reported below
+        pass
     for position, token in enumerate(out):
         if isinstance(token, bool):
             raise ValueError(f"{what}[{position}] is not a token id: {token!r}")
