@@ -13,6 +13,7 @@ def _bench(args: argparse.Namespace) -> int:
     from ngramrl.bench.report import format_sweep, format_table, plot_coverage, plot_tokens_per_forward, write_json
     from ngramrl.bench.run import SWEEP_BUDGETS, BenchConfig, builtin_traces, measure_history_memory, run_bench
     from ngramrl.core.trace import read_trace
+    from ngramrl.paths import OutputPaths
 
     traces = args.traces or builtin_traces()
     if not args.traces:
@@ -20,6 +21,15 @@ def _bench(args: argparse.Namespace) -> int:
     config = BenchConfig(traces=traces, methods=args.method or BenchConfig.__dataclass_fields__["methods"]
                          .default_factory(), ks=args.k or [16], budget=args.budget,
                          sweep=SWEEP_BUDGETS if args.sweep or args.coverage_plot else [])
+    outputs = OutputPaths(inputs=traces)  # checked now: a bad path must not cost a replay
+    args.json = outputs.file(args.json, "--json")
+    args.plot = outputs.file(args.plot, "--plot")
+    args.coverage_plot = outputs.file(args.coverage_plot, "--coverage-plot")
+    if args.plot or args.coverage_plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot and --coverage-plot need matplotlib (pip install matplotlib)") from None
     results = run_bench(config, progress=not args.no_progress)
     print(format_table(results))
     sweep = format_sweep(results)
@@ -55,7 +65,9 @@ def _generate(args: argparse.Namespace) -> int:
     from ngramrl.data.generate import GenerationConfig, generate_trace
     from ngramrl.data.models import prepare_smollm2
     from ngramrl.data.workloads import load_tasks
+    from ngramrl.paths import OutputPaths
 
+    args.out = OutputPaths(inputs=[p for p in (args.model, args.spider_dir) if p]).file(args.out, "--out")
     try:
         settings = json.loads(args.task_settings) if args.task_settings else {}
     except ValueError as err:
@@ -74,14 +86,24 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from ngramrl.pipeline.config import load_config
+    from ngramrl.pipeline.rundir import plan_run_dir
 
-    config = load_config(args.config, args.set)  # rejected here, before Ray starts
+    overrides = list(args.set)
+    if args.resume or args.overwrite:
+        overrides.append(f"run.if_exists={'resume' if args.resume else 'overwrite'}")
+    config = load_config(args.config, overrides)  # rejected here, before Ray starts
+    plan = plan_run_dir(config)                     # and every output path
     if args.check:
-        print(f"{args.config or '<defaults>'}: ok")
+        what = {"new": "a new run", "resume": "resumes the run there",
+                "overwrite": f"deletes the earlier run there ({', '.join(plan.found)})"}[plan.mode]
+        print(f"{args.config or '<defaults>'}: ok; run.output_dir {plan.path}: {what}")
         return 0
     from ngramrl.pipeline.run import train
 
-    result = train(config)
+    try:
+        result = train(config)
+    except KeyboardInterrupt:
+        return 130  # what was done is saved (train says what and where)
     print(result.summary())
     return 0
 
@@ -94,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("traces", nargs="*", metavar="TRACE",
                        help="trace files (.jsonl or .jsonl.gz); default: the traces shipped with ngramrl")
     bench.add_argument("--method", action="append", help="ngramrl, suffix, pld, none or oracle (repeatable)")
-    bench.add_argument("--k", type=int, action="append", help="most draft tokens per step (repeatable; 16)")
+    bench.add_argument("--k", type=int, action="append", help="most draft tokens per step, 1-256 (repeatable; 16)")
     bench.add_argument("--budget", type=int, default=16, help="prefetch candidates per request per step")
     bench.add_argument("--json", help="also write the results as JSON here")
     bench.add_argument("--plot", help="write a PNG of tokens per forward by method and trace")
@@ -125,7 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", help="YAML run configuration (default: the built-in CPU default)")
     tr.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override one setting, e.g. --set run.steps=3 (repeatable)")
-    tr.add_argument("--check", action="store_true", help="only validate the configuration")
+    tr.add_argument("--check", action="store_true", help="only validate the configuration and output paths")
+    existing = tr.add_mutually_exclusive_group()
+    existing.add_argument("--resume", action="store_true",
+                          help="continue the run in run.output_dir (append to its trace and metrics, continue its "
+                               "epochs, restore its drafter pool); same as --set run.if_exists=resume")
+    existing.add_argument("--overwrite", action="store_true",
+                          help="delete the earlier run's files in run.output_dir first; same as "
+                               "--set run.if_exists=overwrite")
     tr.set_defaults(func=_train)
     return parser
 
@@ -138,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     except (TraceError, ValueError, FileNotFoundError) as err:
         print(f"ngramrl {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except TimeoutError as err:
+        print(f"ngramrl {args.command}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.trace import Trace, read_trace
 
 SWEEP_BUDGETS = [1, 2, 4, 8, 16, 32, 64]
+MAX_K = 256  # replay time grows with k (every step walks k tokens); engines verify far fewer
 
 
 def builtin_traces() -> list[str]:
@@ -37,8 +38,8 @@ class BenchConfig:
             if name not in METHOD_NAMES:
                 raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHOD_NAMES)}")
         for k in self.ks:
-            if k < 1:
-                raise ValueError(f"--k must be >= 1, got {k}")
+            if not 1 <= k <= MAX_K:
+                raise ValueError(f"--k must be between 1 and {MAX_K} (the most draft tokens per step), got {k}")
         if self.budget < 1:
             raise ValueError(f"--budget must be >= 1, got {self.budget}")
 
@@ -151,10 +152,22 @@ def measure_native_memory(trace: Trace, config: HistoryConfig) -> dict | None:
     return report
 
 
+def load_traces(paths: list[str]) -> list[Trace]:
+    """Read and validate every trace before any work starts; each must have something to replay."""
+    traces = [read_trace(path) for path in paths]
+    for trace in traces:
+        if not any(r.epoch >= 1 for r in trace.rollouts):
+            epochs = trace.epochs()
+            held = f"epoch {epochs[0]} only" if epochs else "no rollouts"
+            raise ValueError(f"{trace.path}: nothing to replay: it holds {held}; the replay counts rollouts of "
+                             f"epoch 1 and later, drafted from the epochs before them (trace-format.md)")
+    return traces
+
+
 def run_bench(config: BenchConfig, progress: bool = True) -> list[ReplayResult]:
     from tqdm import tqdm
 
-    traces = [read_trace(path) for path in config.traces]  # all validated before any work starts
+    traces = load_traces(config.traces)
     replayed = sum(sum(1 for r in t.rollouts if r.epoch >= 1) for t in traces)
     total = replayed * len(config.methods) * len(config.ks)
     bar = tqdm(total=total, desc="replay", unit="rollout", disable=not progress, leave=False)
