@@ -10,17 +10,28 @@ from ngramrl.core.trace import TraceError
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from ngramrl.bench.epochs import format_epochs
     from ngramrl.bench.report import format_sweep, format_table, plot_coverage, plot_tokens_per_forward, write_json
-    from ngramrl.bench.run import SWEEP_BUDGETS, BenchConfig, builtin_traces, measure_history_memory, run_bench
+    from ngramrl.bench.run import (
+        SWEEP_BUDGETS,
+        BenchConfig,
+        builtin_traces,
+        measure_history_memory,
+        run_bench,
+        run_by_epoch,
+    )
+    from ngramrl.bench.siblings import SIBLING_METHODS
     from ngramrl.core.trace import read_trace
     from ngramrl.paths import OutputPaths
 
     traces = args.traces or builtin_traces()
     if not args.traces:
         print(f"no trace given: replaying the {len(traces)} traces shipped with ngramrl", file=sys.stderr)
-    config = BenchConfig(traces=traces, methods=args.method or BenchConfig.__dataclass_fields__["methods"]
-                         .default_factory(), ks=args.k or [16], budget=args.budget,
-                         sweep=SWEEP_BUDGETS if args.sweep or args.coverage_plot else [])
+    default_methods = (list(SIBLING_METHODS) if args.regime == "siblings"
+                       else BenchConfig.__dataclass_fields__["methods"].default_factory())
+    config = BenchConfig(traces=traces, methods=args.method or default_methods, ks=args.k or [16], budget=args.budget,
+                         sweep=SWEEP_BUDGETS if args.sweep or args.coverage_plot else [], regime=args.regime,
+                         by_epoch=args.by_epoch)
     outputs = OutputPaths(inputs=traces)  # checked now: a bad path must not cost a replay
     args.json = outputs.file(args.json, "--json")
     args.plot = outputs.file(args.plot, "--plot")
@@ -31,13 +42,24 @@ def _bench(args: argparse.Namespace) -> int:
         except ImportError:
             raise ValueError("--plot and --coverage-plot need matplotlib (pip install matplotlib)") from None
     results = run_bench(config, progress=not args.no_progress)
+    if config.regime == "siblings":
+        print("regime: siblings (each prompt-epoch's samples concurrent, drafting only from each other)")
     print(format_table(results))
+    extra: dict = {"regime": config.regime}
+    if config.by_epoch:
+        by_epoch = run_by_epoch(config)
+        for path, by_k in by_epoch.items():
+            for k, series in by_k.items():
+                print(f"\n{os.path.basename(path)}, k={k}: tokens per forward by epoch")
+                print(format_epochs(series))
+        extra["by_epoch"] = {path: {str(k): [s.to_json() for s in series] for k, series in by_k.items()}
+                             for path, by_k in by_epoch.items()}
     sweep = format_sweep(results)
     if sweep:
         print()
         print(sweep)
     memory = {}
-    if "ngramrl" in config.methods:
+    if "ngramrl" in config.methods and config.regime == "epochs":
         for path in config.traces:
             memory[path] = measure_history_memory(read_trace(path), config.history)
             print(f"ngramrl history memory, {os.path.basename(path)}: {memory[path]['bytes_per_token']:.0f} bytes "
@@ -48,7 +70,7 @@ def _bench(args: argparse.Namespace) -> int:
                       f"per stored token by its own count, {native.get('malloc_bytes_per_token', float('nan')):.0f} "
                       f"by malloc's")
     if args.json:
-        write_json(args.json, results, {"ngramrl_memory": memory} if memory else None)
+        write_json(args.json, results, {**extra, **({"ngramrl_memory": memory} if memory else {})})
         print(f"wrote {args.json}")
     if args.plot:
         plot_tokens_per_forward(results, args.plot, config.ks[0])
@@ -123,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", action="store_true",
                        help="also measure prefetch coverage at budgets " + ",".join(map(str, [1, 2, 4, 8, 16, 32, 64])))
     bench.add_argument("--coverage-plot", help="write a PNG of coverage against budget (implies --sweep)")
+    bench.add_argument("--regime", choices=["epochs", "siblings"], default="epochs",
+                       help="epochs: each epoch drafted from the earlier ones (RL revisiting its prompts); siblings: "
+                            "fresh prompts, each prompt-epoch's samples concurrent, drafting only from each other")
+    bench.add_argument("--by-epoch", action="store_true",
+                       help="also print tokens per forward epoch by epoch (ngramrl, suffix, pld): how drafting evolves "
+                            "over an RL run")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 

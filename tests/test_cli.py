@@ -38,6 +38,40 @@ def test_bench_writes_contract_json_table_and_plot(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_siblings_regime_replays_every_prompt_epoch_from_its_siblings_only(tmp_path, capsys):
+    from ngramrl.bench.siblings import make_sibling_method, replay_siblings
+    from ngramrl.core.trace import read_trace
+
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    out = tmp_path / "out.json"
+    assert main(["bench", trace, "--regime", "siblings", "--k", "8", "--json", str(out), "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    assert data["regime"] == "siblings"
+    runs = {r["method"]: r for r in data["runs"]}
+    assert set(runs) == {"ngramrl", "suffix", "pld", "none"}
+    assert all(r["rollouts"] == 12 for r in runs.values())  # epoch 0 too: nothing earlier is drafted from
+    direct = replay_siblings(read_trace(trace), make_sibling_method("ngramrl"), 8)
+    assert runs["ngramrl"]["forwards"] == direct.forwards <= runs["none"]["forwards"]
+    assert "regime: siblings" in capsys.readouterr().out
+    assert main(["bench", trace, "--regime", "siblings", "--method", "oracle", "--no-progress"]) == 2
+    assert "not in the siblings regime" in capsys.readouterr().err
+
+
+def test_bench_by_epoch_splits_the_replay_epoch_by_epoch(tmp_path, capsys):
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    out = tmp_path / "out.json"
+    assert main(["bench", trace, "--by-epoch", "--method", "ngramrl", "--method", "pld", "--json", str(out),
+                 "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    series = {s["method"]: s for s in data["by_epoch"][trace]["16"]}
+    assert set(series) == {"ngramrl", "pld"}
+    whole = {r["method"]: r for r in data["runs"]}
+    for name, one in series.items():
+        assert set(one["forwards"]) == {"1", "2"}  # the epochs replayed
+        assert sum(one["forwards"].values()) == whole[name]["forwards"]
+        assert sum(one["tokens"].values()) == whole[name]["tokens"]
+    assert "tokens per forward by epoch" in capsys.readouterr().out
+
 def test_bench_reports_a_bad_trace_with_file_and_line(tmp_path, capsys):
     good = small_trace(tmp_path / "good.jsonl")
     bad = tmp_path / "bad.jsonl"

@@ -30,6 +30,7 @@ from ngramrl.core.batch import DraftBatch, make_core
 from ngramrl.core.drafter import Draft
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.trace import Rollout
+from ngramrl.pipeline.journal import RolloutJournal
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,11 @@ class SnapshotError(ValueError):
 
 def snapshot_path(snapshot_dir: str, index: int) -> str:
     return os.path.join(snapshot_dir, f"shard-{index}.json.gz")
+
+
+def journal_path(snapshot: str) -> str:
+    """Where the shard saving to ``snapshot`` journals the rollouts it takes until its next save."""
+    return snapshot[:-len(".json.gz")] + ".journal.jsonl" if snapshot.endswith(".json.gz") else snapshot + ".journal"
 
 
 def check_snapshots(snapshot_dir: str, shards: int) -> list[str]:
@@ -125,7 +131,12 @@ class DrafterShard:
     """The history and live requests of one shard of prompts (a Ray actor in the pipeline), on the
     same drafting core as the in-engine proposer (``ngramrl.core.batch``)."""
 
-    def __init__(self, index: int, config: NgramRLConfig, stop_tokens: tuple[int, ...] = (), shards: int = 1) -> None:
+    def __init__(self, index: int, config: NgramRLConfig, stop_tokens: tuple[int, ...] = (), shards: int = 1,
+                 journal: str | None = None) -> None:
+        """``journal``: the file where every rollout this shard takes is written first, until its
+        next ``save`` (so a shard that dies is rebuilt from its snapshot and journal, whoever fed
+        it: the driver, or OpenRLHF's engines directly). A new shard never empties it: ``load``
+        and ``replay_journal`` read it back."""
         if not 0 <= index < shards:
             raise ValueError(f"shard {index} of {shards}: the index must be in [0, {shards})")
         self.index = index
@@ -135,6 +146,7 @@ class DrafterShard:
                                                "stop_tokens": tuple(sorted(set(config.drafter.stop_tokens)
                                                                            | set(stop_tokens)))})
         self.stats = ShardStats()
+        self.journal = RolloutJournal(journal) if journal else None
         self._empty()
 
     def _empty(self) -> None:
@@ -147,7 +159,13 @@ class DrafterShard:
     # -- history ----------------------------------------------------------------------------
 
     def add_rollouts(self, rollouts: list[tuple[str, list[int], list[int], int]]) -> int:
-        """Finished rollouts (prompt_id, prompt, output, epoch) enter the history."""
+        """Finished rollouts (prompt_id, prompt, output, epoch) enter the history (and the journal
+        first)."""
+        if self.journal is not None:
+            self.journal.append(rollouts)
+        return self._take(rollouts)
+
+    def _take(self, rollouts: list[tuple[str, list[int], list[int], int]]) -> int:
         touched = {}
         for prompt_id, prompt, output, epoch in rollouts:
             self.core.add_rollout(prompt_id, prompt, output, epoch)
@@ -167,7 +185,17 @@ class DrafterShard:
         with gzip.open(tmp, "wt", encoding="utf-8") as handle:
             json.dump(self.snapshot(), handle)
         os.replace(tmp, path)
+        if self.journal is not None:  # the snapshot holds everything journaled so far
+            self.journal.reset()
         return path
+
+    def replay_journal(self) -> int:
+        """Take the rollouts this shard's journal holds (those since its last save) again."""
+        if self.journal is None:
+            return 0
+        records = self.journal.read()
+        self._take(records)
+        return len(records)
 
     def load(self, path: str) -> int:
         """Restore the history saved at ``path`` (replaces this shard's history). The snapshot must
@@ -202,6 +230,10 @@ class DrafterShard:
             raise SnapshotError(f"{path}: not a valid drafter snapshot ({err})") from None
         self._empty()
         self.core.restore(prompts)
+        beside = RolloutJournal(journal_path(path))  # what the shard that saved it took after the save
+        if self.journal is None or os.path.abspath(beside.path) != os.path.abspath(self.journal.path):
+            self._take(beside.read())
+        self.replay_journal()
         return len(self.core)
 
     # -- engine steps -----------------------------------------------------------------------
@@ -335,14 +367,14 @@ class DrafterPool:
         self.draft_timeout_ms = draft_timeout_ms
         self.actor_class = ray.remote(num_cpus=num_cpus, max_restarts=0)(DrafterShard)
         self.handles = [self._create(i) for i in range(shards)]
-        self.since_save: list[list[tuple[str, list[int], list[int], int]]] = [[] for _ in range(shards)]
         self.saved: list[str | None] = [None] * shards
         self.restarts = 0
         self.restarted_shards: list[int] = []
 
     def _create(self, index: int) -> Any:
-        return self.actor_class.options(name=self.names[index], namespace=self.namespace,
-                                        lifetime=None).remote(index, self.config, self.stop_tokens, len(self.names))
+        return self.actor_class.options(name=self.names[index], namespace=self.namespace, lifetime=None).remote(
+            index, self.config, self.stop_tokens, len(self.names),
+            journal=journal_path(snapshot_path(self.snapshot_dir, index)))
 
     def settings(self) -> PoolSettings:
         context = self.ray.get_runtime_context()
@@ -357,7 +389,6 @@ class DrafterPool:
         refs = []
         for index, records in enumerate(by_shard):
             if records:
-                self.since_save[index].extend(records)
                 refs.append((index, self.handles[index].add_rollouts.remote(records)))
         for index, ref in refs:
             try:
@@ -366,7 +397,7 @@ class DrafterPool:
                 logger.warning("drafter shard %d did not take rollouts (%s); it will be rebuilt", index, err)
 
     def save(self, timeout_s: float = 300.0) -> list[str | None]:
-        """Every live shard saves its history; the rollouts since are kept for rebuilding. Returns
+        """Every live shard saves its history (and empties its journal). Returns
         each shard's snapshot path, None for a shard that could not save now (its last snapshot,
         if any, stays on disk)."""
         refs = []
@@ -382,7 +413,6 @@ class DrafterPool:
                 logger.warning("drafter shard %d could not save (%s)", index, err)
                 continue
             self.saved[index] = saved[index] = path
-            self.since_save[index] = []
         return saved
 
     def restore(self, snapshot_dir: str, timeout_s: float = 600.0) -> int:
@@ -390,7 +420,9 @@ class DrafterPool:
         snapshot of another shard or shard count, or a damaged one, is refused naming its file."""
         paths = check_snapshots(snapshot_dir, len(self.handles))
         refs = [(path, handle.load.remote(path)) for path, handle in zip(paths, self.handles, strict=True)]
-        return sum(self._result(ref, f"restoring {path}", timeout_s) for path, ref in refs)
+        restored = sum(self._result(ref, f"restoring {path}", timeout_s) for path, ref in refs)
+        self.saved = list(paths)  # a shard lost before its first save here is rebuilt from these
+        return restored
 
     def _result(self, ref: Any, what: str, timeout_s: float) -> Any:
         """A shard call's result within ``timeout_s``; the shard's own error (not Ray's wrapper)."""
@@ -416,7 +448,8 @@ class DrafterPool:
         return reports
 
     def heal(self, timeout_s: float = 10.0) -> list[int]:
-        """Restart shards that died (or hang), rebuilt from their last save plus the rollouts since."""
+        """Restart shards that died (or hang), rebuilt from their last save plus their journal of the
+        rollouts since (written by the shard itself, whoever fed it)."""
         restarted = []
         for index, report in enumerate(self.health(timeout_s)):
             if report is not None:
@@ -430,9 +463,9 @@ class DrafterPool:
             if self.saved[index] is not None:
                 self._result(self.handles[index].load.remote(self.saved[index]), f"reloading {self.saved[index]}",
                              600.0)
-            if self.since_save[index]:
-                self._result(self.handles[index].add_rollouts.remote(self.since_save[index]),
-                             f"replaying shard {index}'s rollouts since its last save", 600.0)
+            else:
+                self._result(self.handles[index].replay_journal.remote(),
+                             f"replaying shard {index}'s journal of the rollouts since its last save", 600.0)
             restarted.append(index)
         self.restarts += len(restarted)
         self.restarted_shards.extend(restarted)

@@ -178,6 +178,19 @@ def test_pool_rebuilds_a_killed_shard_and_restores_saved_state(local_ray, tmp_pa
         assert pool.health()[1] is None
         assert pool.heal() == [1] and pool.restarts == 1
         assert [pool.lookup(*q) for q in queries()] == before
+        # OpenRLHF's engines feed the shards themselves, past the driver: the shard's own journal
+        # still rebuilds it.
+        direct = [(r.prompt_id, list(r.prompt), list(r.output), r.epoch) for r in rollouts(2)]
+        local_ray.get([handle.add_rollouts.remote([record for record in direct
+                                                   if shard_of(record[0], 3) == index])
+                       for index, handle in enumerate(pool.handles)])
+        fed = [pool.lookup(*q) for q in queries()]
+        assert fed != before
+        for index in (1, 2):
+            local_ray.kill(pool.handles[index], no_restart=True)
+        assert pool.heal() == [1, 2]
+        assert [pool.lookup(*q) for q in queries()] == fed
+        before = fed
         pool.save()
         fresh = DrafterPool(3, NgramRLConfig(), (99,), namespace="ngramrl-test-pool",
                             snapshot_dir=str(tmp_path / "other"), name_prefix="t2", num_cpus=0)
