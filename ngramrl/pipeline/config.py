@@ -402,9 +402,16 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
             raise ConfigError(f"{path}: is empty (no settings); leave out --config to run the built-in defaults")
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    file_workload = dict(raw.get("workload") or {}) if isinstance(raw.get("workload"), dict) else {}
     for override in overrides or []:
         try:
             _apply_override(raw, override)
         except ConfigError as err:
             raise ConfigError(f"{source}: {err}") from None
+    workload = raw.get("workload")
+    if isinstance(workload, dict) and workload.get("name") != file_workload.get("name"):
+        # --set workload.name=... picks another workload: the file's task belongs to the one it named.
+        for key in ("task", "task_settings"):
+            if key in workload and workload[key] == file_workload.get(key):
+                del workload[key]
     return config_from_dict(raw, source)

@@ -147,3 +147,10 @@ def test_a_reasoning_gym_workload_names_a_task_that_exists():
         load_config(None, ["workload.name=reasoning_gym"])
     with pytest.raises(ConfigError, match="task is for the reasoning_gym workload"):
         load_config(None, ["workload.task=products"])
+    # The default config names a task; choosing another workload with --set leaves the task behind.
+    default = os.path.join(ROOT, "ray_configs", "cpu_default.yaml")
+    assert load_config(default, []).workload.task == "products"
+    other = load_config(default, ["workload.name=gsm"]).workload
+    assert other.name == "gsm" and other.task is None and other.task_settings == {}
+    with pytest.raises(ConfigError, match="task is for the reasoning_gym workload"):
+        load_config(default, ["workload.name=gsm", "workload.task=chain_sum"])
