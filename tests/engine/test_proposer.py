@@ -5,14 +5,16 @@ import time
 
 import pytest
 
-from ngramrl.config import EngineConfig, NgramRLConfig
+from ngramrl.config import EngineConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.cost import FixedStepCost, StepCostModel
 from ngramrl.engine.standin import StandInRunner, standin_vllm_config
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, _cpu_list, config_to_env, prefetch_plan
 
 
-def make_proposer(monkeypatch, cost, k=4, prefetch="off", clock=time.perf_counter_ns, **engine):
-    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch, **engine))))
+def make_proposer(monkeypatch, cost, k=4, prefetch="off", prefetch_config=None, clock=time.perf_counter_ns,
+                  **engine):
+    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch, **engine),
+                                                               prefetch=prefetch_config or PrefetchConfig())))
     proposer = NgramRLProposer(standin_vllm_config(k, eos_token_ids=(2,), max_model_len=4096), clock=clock)
     proposer.cost = cost
     runner = StandInRunner()
@@ -330,3 +332,4 @@ def test_prefetch_setting_is_checked():
     assert EngineConfig(prefetch=True).prefetch == "on"  # older configs said true / false
     with pytest.raises(ValueError, match="EngineConfig.prefetch"):
         EngineConfig(prefetch="sometimes")
+
