@@ -1,5 +1,5 @@
 """The engine-step harness: verification, continuous batching, the simulated clock the proposer
-learns from, the prefetch worker's window, and the copies that fill a phase."""
+learns from, the native core's background window, and the copies that fill a phase."""
 
 from dataclasses import dataclass, field
 
@@ -146,7 +146,11 @@ def test_the_proposers_cost_model_learns_the_simulated_step_times():
     assert per_token == pytest.approx(0.001, rel=0.05)
 
 
-def test_a_prefetch_worker_works_during_the_forward_and_the_drafts_stay_the_same():
+def test_a_prefetching_native_core_works_during_the_forward_and_the_drafts_stay_the_same():
+    from ngramrl.core.batch import native_module
+
+    if native_module() is None:
+        pytest.skip("the native core is not built: the reference core has no background work")
     trace = toy_trace(epochs=3, prompts=2, samples=4, length=80)
     workload = prepare_workload(trace, first_epoch=2)
     times = LinearTimes(base=0.02)  # verifying is free: drafts are kept whole; 20 ms of real time per forward
