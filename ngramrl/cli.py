@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--out", required=True, help="profile JSON to write")
     gpu.add_argument("--roofline", help="from specifications instead of measuring: h100, h200, a100 or l40s")
     gpu.add_argument("--device", default="cuda", help="device to measure on (cuda, cpu)")
-    gpu.add_argument("--quick", action="store_true", help="a small grid (about 2 minutes on an H100)")
+    gpu.add_argument("--quick", action="store_true", help="a small grid (meant for about 2 minutes on an H100)")
     gpu.add_argument("--k", type=int, default=8, help="most draft tokens per request the grid covers")
     gpu.add_argument("--time-budget-s", type=float, default=420.0,
                      help="stop measuring after this long; shapes left out are extrapolated and marked")
