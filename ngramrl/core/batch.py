@@ -497,6 +497,10 @@ def native_module() -> Any | None:
         if os.environ.get("NGRAMRL_NATIVE") == "0":
             raise ImportError("NGRAMRL_NATIVE=0")
         from ngramrl import _native
+
+        if not hasattr(_native.Core, "wait_idle"):  # the newest method: an extension built from older sources
+            raise ImportError("ngramrl._native was built from older sources than ngramrl's; rebuild it "
+                              "(pip install -e . or python setup.py build_ext --inplace)")
     except ImportError as err:
         if not _native_warned:
             logger.warning("ngramrl: the native drafting core is not available (%s); using the Python reference", err)

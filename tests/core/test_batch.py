@@ -334,3 +334,19 @@ def trace_run(path: str, batch: int, limit: int, threads: int) -> int:
 @pytest.mark.parametrize("path", builtin_traces(), ids=os.path.basename)
 def test_native_equals_reference_on_shipped_traces(path):
     assert trace_run(path, batch=16, limit=48, threads=2) > 20
+
+
+def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    import ngramrl
+    from ngramrl.core.batch import make_core, native_module
+
+    stale = SimpleNamespace(Core=type("Core", (), {}))  # no wait_idle: built before it existed
+    monkeypatch.setitem(sys.modules, "ngramrl._native", stale)
+    monkeypatch.setattr(ngramrl, "_native", stale, raising=False)
+    assert native_module() is None
+    assert not make_core().native  # the reference, with one logged line
+    with pytest.raises(RuntimeError, match="not built"):
+        make_core(native=True)
