@@ -19,6 +19,7 @@ from ngramrl.core.drafter import Draft, MatchState, NgramDrafter, RequestState, 
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, predict_for
 from ngramrl.core.trace import Rollout
+from ngramrl.core.tree import DraftTree
 
 
 class _BigramHistory:
@@ -56,7 +57,7 @@ class ReplayMethod(Protocol):
 
     def add_history(self, rollouts: list[Rollout]) -> None: ...
     def start(self, rollout: Rollout) -> None: ...
-    def propose(self, k: int) -> list[int]: ...
+    def propose(self, k: int) -> list[int] | DraftTree: ...
     def background(self) -> None: ...
     def commit(self, tokens: list[int]) -> None: ...
     def finish(self) -> None: ...
@@ -281,6 +282,31 @@ class NgramRLMethod:
         self.request = None
 
 
+class NgramRLTreeMethod(NgramRLMethod):
+    """ngramrl's draft trees: at most k tokens in at most ``width`` root-to-leaf paths, grown
+    best-first by estimated path probability (docs/drafter.md); a tree of k tokens costs what a
+    chain of k tokens costs to verify."""
+
+    name = "ngramrl-tree"
+
+    def __init__(self, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
+                 width: int = 4) -> None:
+        super().__init__(history, drafter)
+        if width < 1:
+            raise ValueError(f"--tree-width must be >= 1, got {width}")
+        self.width = width
+
+    def propose(self, k: int) -> DraftTree:  # type: ignore[override]
+        assert self.request is not None
+        tree = self.drafter.lookup_tree(self.request, k, self.width)
+        self.drafter.absorb(self.request)
+        self.last_draft = None
+        return tree
+
+    def background(self) -> None:
+        pass
+
+
 class SuffixMethod:
     """SuffixDecoding through the real arctic-inference cache, with vLLM's ``suffix`` defaults."""
 
@@ -496,13 +522,16 @@ class PromptOracleMethod(OracleMethod):
         return future[:self._history_run(self.context[-1], future)]
 
 
-METHOD_NAMES = ("ngramrl", "suffix", "pld", "none", "oracle", "oracle-prompt")
+METHOD_NAMES = ("ngramrl", "ngramrl-tree", "suffix", "pld", "none", "oracle", "oracle-prompt")
 
 
 def make_method(name: str, drafter: DrafterConfig | None = None, history: HistoryConfig | None = None,
-                prefetch: PrefetchConfig | None = None, budgets: list[int] | None = None) -> ReplayMethod:
+                prefetch: PrefetchConfig | None = None, budgets: list[int] | None = None,
+                tree_width: int = 4) -> ReplayMethod:
     if name == "ngramrl":
         return NgramRLMethod(history, drafter, prefetch, budgets)
+    if name == "ngramrl-tree":
+        return NgramRLTreeMethod(history, drafter, tree_width)
     if name == "suffix":
         return SuffixMethod()
     if name == "pld":

@@ -86,7 +86,8 @@ def plot_tokens_per_forward(results: list[ReplayResult], path: str, k: int) -> N
     methods = list(dict.fromkeys(r.method for r in results if r.k == k))
     width = 0.8 / max(1, len(methods))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(traces) + 2), 4.2))
-    colors = {"ngramrl": "#d62728", "suffix": "#1f77b4", "pld": "#2ca02c", "none": "#7f7f7f", "oracle": "#bbbbbb",
+    colors = {"ngramrl": "#d62728", "ngramrl-tree": "#ff9896", "suffix": "#1f77b4", "pld": "#2ca02c",
+              "none": "#7f7f7f", "oracle": "#bbbbbb",
               "oracle-prompt": "#e8e8e8"}
     top = 0.0
     for i, method in enumerate(methods):

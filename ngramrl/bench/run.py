@@ -6,7 +6,7 @@ import os
 import statistics
 from dataclasses import dataclass, field
 
-from ngramrl.bench.methods import METHOD_NAMES, CoverageTally, NgramRLMethod, make_method
+from ngramrl.bench.methods import METHOD_NAMES, CoverageTally, NgramRLMethod, NgramRLTreeMethod, make_method
 from ngramrl.bench.replay import ReplayResult, replay
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.trace import Trace, read_trace
@@ -27,6 +27,7 @@ class BenchConfig:
     ks: list[int] = field(default_factory=lambda: [16])
     budget: int = 16
     sweep: list[int] = field(default_factory=list)  # extra budgets whose coverage is also measured
+    tree_width: int = 4  # root-to-leaf paths of ngramrl-tree's drafts
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     history: HistoryConfig = field(default_factory=HistoryConfig)
 
@@ -41,6 +42,8 @@ class BenchConfig:
                 raise ValueError(f"--k must be >= 1, got {k}")
         if self.budget < 1:
             raise ValueError(f"--budget must be >= 1, got {self.budget}")
+        if self.tree_width < 1:
+            raise ValueError(f"--tree-width must be >= 1, got {self.tree_width}")
 
 
 def _median_us(values: list[int]) -> float | None:
@@ -119,9 +122,11 @@ def run_bench(config: BenchConfig, progress: bool = True) -> list[ReplayResult]:
             for name in config.methods:
                 bar.set_postfix_str(f"{trace.workload} k={k} {name}")
                 method = make_method(name, drafter_for(trace, config.drafter), config.history,
-                                     PrefetchConfig(budget=config.budget), [config.budget])
+                                     PrefetchConfig(budget=config.budget), [config.budget], config.tree_width)
                 result = replay(trace, method, k, trace.path, on_rollout=lambda: bar.update(1))
-                if isinstance(method, NgramRLMethod):
+                if isinstance(method, NgramRLTreeMethod):
+                    result.tree_width = method.width
+                elif isinstance(method, NgramRLMethod):
                     result.coverage = coverage_report(method.tally, config.budget)
                     if config.sweep and k == config.ks[0]:
                         # A separate replay: predicting the top 64 would inflate the main run's timings.

@@ -25,8 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ngramrl.config import DrafterConfig
-from ngramrl.core.automaton import ROOT, SuffixAutomaton
+from ngramrl.core.automaton import SuffixAutomaton
+from ngramrl.core.estimate import MatchState, Source, advance
 from ngramrl.core.history import RolloutHistory
+from ngramrl.core.tree import DraftTree, choose_path, extend_path, grow_tree
 
 
 @dataclass
@@ -57,14 +59,6 @@ EMPTY = Draft([])
 
 
 @dataclass
-class MatchState:
-    """Where a context stands in one index: a state and the length of the suffix it matches."""
-
-    state: int = ROOT
-    matched: int = 0
-
-
-@dataclass
 class RequestState:
     """What the drafter tracks for one generating request."""
 
@@ -81,14 +75,6 @@ class RequestState:
     global_match: MatchState = field(default_factory=MatchState)
     global_behind: list[int] = field(default_factory=list)  # committed, not yet stepped into ``global_match``
     layout: int = -1  # history layout the index references were checked under
-
-
-def advance(index: SuffixAutomaton, match: MatchState, tokens: list[int]) -> MatchState:
-    state, matched = match.state, match.matched
-    step = index.step
-    for token in tokens:
-        state, matched = step(state, matched, token)
-    return MatchState(state, matched)
 
 
 class NgramDrafter:
@@ -225,11 +211,32 @@ class NgramDrafter:
         ``at`` = (n, states): the match states after the context and ``after[:n]``, one per source
         of ``outcome_sources`` (computed ahead by the outcome model), so only the rest is stepped."""
         k = self.config.max_draft if k is None else k
-        if not request.known or k <= 0:
+        if k <= 0:
             return EMPTY
+        sources = self.sources(request, after, at)
+        return self.chain(sources, k) if sources else EMPTY
+
+    def lookup_tree(self, request: RequestState, k: int, width: int, after: list[int] | None = None) -> DraftTree:
+        """A draft tree of at most ``k`` tokens and ``width`` root-to-leaf paths for the current
+        context followed by ``after``, without changing the request."""
+        sources = self.sources(request, after) if k > 0 else []
+        if not sources:
+            return DraftTree()
+        config = self.config
+        tree, _ = grow_tree(sources, k, width, config.levels, config.min_match, config.min_confidence,
+                            config.stop_tokens)
+        tree.matched = sources[0][1].matched
+        return tree
+
+    def sources(self, request: RequestState, after: list[int] | None = None,
+                at: tuple[int, list[MatchState]] | None = None) -> list[Source]:
+        """The match states of the context followed by ``after`` in the prompt's index and, with
+        ``use_global``, the cross-prompt index ([] for a request without drafts)."""
+        if not request.known:
+            return []
         index = self.index(request)
         if index is None:
-            return EMPTY
+            return []
         self.catch_up(request, index)
         after = after or []
         skip, states = at if at is not None else (0, [])
@@ -237,7 +244,7 @@ class NgramDrafter:
             match = advance(index, states[0], after[skip:])
         else:
             match = advance(index, request.match, after) if after else request.match
-        best = self.walk(index, match, k, "prompt")
+        sources: list[Source] = [(index, match)]
         if self.config.use_global:
             global_index = self.history.global_index()
             if request.global_index is not global_index:
@@ -249,43 +256,39 @@ class NgramDrafter:
                 global_match = advance(global_index, states[1], after[skip:])
             else:
                 global_match = advance(global_index, request.global_match, after) if after else request.global_match
-            if global_match.matched > best.matched:
-                other = self.walk(global_index, global_match, k, "global")
-                if other.tokens:
-                    best = other
-        return best
+            sources.append((global_index, global_match))
+        return sources
 
-    def walk(self, index: SuffixAutomaton, match: MatchState, k: int, source: str) -> Draft:
-        """Follow the most frequent continuation from a match (backing off where occurrences end)."""
-        link, length, count, nxt = index.link, index.length, index.count, index.next
-        best_token, best_state, followed = index.best_token, index.best_state, index.followed
-        min_match = self.config.min_match
-        state, matched = match.state, min(match.matched, index.length[match.state])
-        while best_token[state] < 0 and length[state] > min_match:
-            state = link[state]
-            matched = length[state]
-        if best_token[state] < 0 or matched < min_match:
-            return Draft([], matched=matched)
-        tokens: list[int] = []
-        probs: list[float] = []
-        floor = self.config.min_confidence
-        stop = self.config.stop_tokens
-        survive = 1.0
-        while True:
-            token, child = best_token[state], best_state[state]
-            # Witten-Bell: unseen continuations get the mass of one per distinct token seen.
-            children = nxt[state]
-            p = count[child] / (followed[state] + (1 if children is None else len(children)))
-            survive *= p
-            if survive < floor:
-                break
-            tokens.append(token)
-            probs.append(p)
-            if len(tokens) >= k or token in stop:
-                break
-            state = child
-            while best_token[state] < 0 and length[link[state]] >= min_match:
-                state = link[state]
-            if best_token[state] < 0:
-                break
-        return Draft(tokens, probs, matched, source)
+    def chain(self, sources: list[Source], k: int) -> Draft:
+        """The chain draft from match states ``sources``: the root path of largest expected accepted
+        length in the best-first tree of ``k`` nodes and ``path_width`` paths, continued with the
+        likeliest token at each step up to ``k`` tokens."""
+        config = self.config
+        tree, node_sources = grow_tree(sources, k, config.path_width, config.levels, config.min_match,
+                                       config.min_confidence, config.stop_tokens)
+        path = choose_path(tree)
+        if not path:
+            return Draft([], matched=sources[0][1].matched)
+        tokens = [tree.tokens[i] for i in path]
+        probs = [tree.probs[i] for i in path]
+        if len(tokens) < k and tokens[-1] not in config.stop_tokens:
+            more, more_probs = extend_path(node_sources[path[-1]], tree.path_probs[path[-1]], k - len(tokens),
+                                           config.levels, config.min_match, config.min_confidence,
+                                           config.stop_tokens)
+            tokens += more
+            probs += more_probs
+        return Draft(tokens, probs, sources[0][1].matched, self._source_of(sources, tokens[0]))
+
+    def _source_of(self, sources: list[Source], token: int) -> str:
+        """"prompt" when the prompt's index has seen ``token`` after one of the context's suffix
+        levels the estimate reads, else "global"."""
+        index, match = sources[0]
+        state, used = match.state, 0
+        if match.matched >= self.config.min_match:
+            while used < self.config.levels and index.length[state] >= self.config.min_match:
+                if index.num_children(state):
+                    used += 1
+                    if index.child(state, token) >= 0:
+                        return "prompt"
+                state = index.link[state]
+        return "global"

@@ -72,9 +72,11 @@ def test_replay_is_deterministic_and_oracle_is_a_ceiling():
     assert again.forwards == results["ngramrl"].forwards
     for name in METHOD_NAMES:
         assert results[name].tokens == results["none"].tokens
-        assert results["oracle"].tokens_per_forward >= results[name].tokens_per_forward
+        if name != "ngramrl-tree":  # a single path's ceiling: a tree may pass it
+            assert results["oracle"].tokens_per_forward >= results[name].tokens_per_forward
     assert results["none"].tokens_per_forward == 1.0
     assert results["ngramrl"].tokens_per_forward > 1.5
+    assert results["ngramrl-tree"].tokens_per_forward >= results["ngramrl"].tokens_per_forward
 
 
 def test_unknown_method_is_rejected():
