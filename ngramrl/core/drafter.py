@@ -264,6 +264,11 @@ class NgramDrafter:
         length in the best-first tree of ``k`` nodes and ``path_width`` paths, continued with the
         likeliest token at each step up to ``k`` tokens."""
         config = self.config
+        if config.path_width == 1:  # the tree of width 1 is this chain, without the tree's bookkeeping
+            tokens, probs = extend_path(sources, 1.0, k, config.levels, config.min_match, config.min_confidence,
+                                        config.stop_tokens)
+            source = self._source_of(sources, tokens[0]) if tokens else "none"
+            return Draft(tokens, probs, sources[0][1].matched, source)
         tree, node_sources = grow_tree(sources, k, config.path_width, config.levels, config.min_match,
                                        config.min_confidence, config.stop_tokens)
         path = choose_path(tree)

@@ -53,47 +53,79 @@ def continuation_estimates(sources: list[Source], levels: int, limit: int, exclu
     """Up to ``limit`` likeliest next tokens (other than ``exclude``) as (probability, token), most
     likely first.
 
-    Per source, in order: the first ``levels`` suffix levels of the context that were followed by
-    something and are at least ``min_length`` tokens long (0 lets the empty context in: the
-    source's whole vocabulary), longest first, interpolated by Witten-Bell as the module says.
-    ``exclude`` (a token known not to follow, such as a rejected draft token) is conditioned out:
-    at every level its count leaves ``followed``, which renormalises the level's estimate given
-    that the token is not ``exclude``. A level contributes its
-    ``limit + 1`` most frequent continuations (the ranking of ``SuffixAutomaton.continuations``),
-    so one more than the caller reads survives the exclusion. Once the mass still to hand out is
-    at most ``floor`` nothing further can enter and the walk stops.
+    The levels read are, per source in order, the first ``levels`` suffix levels of the context
+    that were followed by something and are at least ``min_length`` tokens long (0 lets the empty
+    context in: the source's whole vocabulary), longest first; they are interpolated by
+    Witten-Bell as the module says. ``exclude`` (a token known not to follow, such as a rejected
+    draft token) is conditioned out: at every level its count leaves ``followed``, which
+    renormalises the level's estimate given that the token is not ``exclude``. The walk stops
+    early once the mass still to hand out is at most ``floor`` (nothing below it can enter).
 
-    Ties between tokens of equal probability go to the token that received mass first (a longer
-    level before a shorter one, a level's ranking within it), so the newest of equally frequent
-    continuations of the longest context wins, as in the index itself."""
-    probs: dict[int, float] = {}
+    Candidates are the ``limit`` most frequent continuations of each level read (``level_top``),
+    and each candidate's probability is exact: the sum over every level read of the mass it
+    reached that level with, times the candidate's count there over the level's normaliser. A
+    token in no level's top is not proposed. Ties between candidates of equal probability go to
+    the one met first (a longer level before a shorter one, a level's ranking within it), so the
+    newest of equally frequent continuations of the longest context wins, as in the index."""
+    # Per level read: its children (None: one child, ``single``), the counts, and its mass per count.
+    read: list[tuple[dict[int, int] | None, tuple[int, int], list[int], float]] = []
+    candidates: dict[int, None] = {}
     mass = 1.0
     for index, match in sources:
-        link, length, followed, continuations = index.link, index.length, index.followed, index.continuations
-        state = match.state
         if match.matched < min_length:
             continue
+        link, length, followed, count, nxt, best_token, best_state = (
+            index.link, index.length, index.followed, index.count, index.next, index.best_token, index.best_state)
+        state = match.state
         used = 0
         while used < levels and mass > floor and length[state] >= min_length:
-            ranked = continuations(state)
-            if ranked:
+            children = nxt[state]
+            best = best_token[state]
+            distinct = (best >= 0) if children is None else len(children)
+            if distinct:
                 used += 1
-                norm = followed[state] + len(ranked)
-                for token, count in ranked:
-                    if token == exclude:  # the level's estimate given "not exclude"
-                        norm -= count
-                        break
-                scale = mass / norm
-                for token, count in ranked[:limit + 1]:
-                    if token != exclude:
-                        probs[token] = probs.get(token, 0.0) + scale * count
-                mass *= len(ranked) / norm
+                norm = followed[state] + distinct
+                if exclude >= 0:
+                    rejected = index.child(state, exclude)
+                    if rejected >= 0:  # the level's estimate given "not exclude"
+                        norm -= count[rejected]
+                read.append((children, (best, best_state[state]), count, mass / norm))
+                if limit == 1 and best != exclude:  # level_top, inlined for the chain's walk
+                    candidates[best] = None
+                else:
+                    for token, _ in level_top(index, state, limit, exclude):
+                        candidates[token] = None
+                mass *= distinct / norm
             if state == ROOT:
                 break
             state = link[state]
-    ranked_out = sorted(((p, order, t) for order, (t, p) in enumerate(probs.items()) if p > floor),
-                        key=lambda item: (-item[0], item[1]))
-    return [(p, t) for p, _, t in ranked_out[:limit]]
+    estimates = []
+    for token in candidates:
+        p = 0.0
+        for children, (single, single_state), count, scale in read:
+            child = (single_state if single == token else -1) if children is None else children.get(token, -1)
+            if child >= 0:
+                p += scale * count[child]
+        estimates.append((p, token))
+    if limit == 1:  # the same as the sort below, in one pass: the first of the largest wins
+        top, top_p = -1, floor
+        for p, token in estimates:
+            if p > top_p:
+                top, top_p = token, p
+        return [(top_p, top)] if top >= 0 else []
+    ranked = sorted(((p, order, t) for order, (p, t) in enumerate(estimates) if p > floor),
+                    key=lambda item: (-item[0], item[1]))
+    return [(p, t) for p, _, t in ranked[:limit]]
 
 
-__all__ = ["MatchState", "Source", "advance", "continuation_estimates", "step_sources"]
+def level_top(index: SuffixAutomaton, state: int, limit: int, exclude: int = -1) -> list[tuple[int, int]]:
+    """The ``limit`` most frequent continuations (token, count) of ``state`` other than
+    ``exclude``, in the ranking of ``SuffixAutomaton.continuations`` (count, then the state's best
+    continuation, then token id). The best continuation alone is read in O(1)."""
+    best = index.best_token[state]
+    if limit == 1 and best != exclude and best >= 0:
+        return [(best, index.count[index.best_state[state]])]
+    return [(token, seen) for token, seen in index.continuations(state)[:limit + 1] if token != exclude][:limit]
+
+
+__all__ = ["MatchState", "Source", "advance", "continuation_estimates", "level_top", "step_sources"]
