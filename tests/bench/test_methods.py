@@ -99,3 +99,22 @@ def test_replay_with_prefetch_uses_the_same_drafts():
     assert result.forwards == plain.forwards
     assert prefetching.tally.prefetch_hits > 0
     assert prefetching.tally.value(16) >= prefetching.tally.value(1) > 0
+
+
+def test_tree_method_accepts_along_a_branch_the_chain_leaves_out():
+    """Two earlier rollouts went one way and one the other; the replayed one takes the rarer way:
+    the chain drafts the frequent way and loses the step, a tree of two paths keeps both."""
+    from ngramrl.bench.methods import NgramRLTreeMethod
+
+    prompt = [1, 5, 6]
+    frequent, rare = [10, 11, 12, 13, 14, 2], [20, 21, 22, 23, 24, 2]
+    rollouts = [Rollout("a", 0, s, prompt, out) for s, out in enumerate([frequent, frequent, rare])]
+    rollouts.append(Rollout("a", 1, 0, prompt, rare))
+    trace = toy_trace(rollouts)
+    chain = replay(trace, make_method("ngramrl"), 16)
+    accepted = []
+    tree = replay(trace, NgramRLTreeMethod(width=2), 16, on_step=lambda d, a, r, p: accepted.append(a))
+    assert chain.forwards > tree.forwards == 1  # the whole output is one root path of the tree
+    assert accepted == [len(rare)]
+    single = replay(trace, NgramRLTreeMethod(width=1), 16)
+    assert single.forwards == chain.forwards  # a tree of one path is the chain
