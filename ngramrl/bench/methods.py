@@ -16,6 +16,7 @@ from typing import Protocol
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.automaton import SuffixAutomaton
 from ngramrl.core.drafter import Draft, MatchState, NgramDrafter, RequestState, advance
+from ngramrl.core.estimate import continuation_estimates, step_sources
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, predict_for
 from ngramrl.core.trace import Rollout
@@ -105,6 +106,10 @@ class CoverageTally:
     state_spent_ns: int = 0                                   # computing the states
     state_hits: int = 0                                       # steps whose j had its state ready
     state_hidden_ns: int = 0                                  # time those steps saved
+    # The part of the gap that predicting j leaves: steps whose b is among the outcome model's
+    # ``known_j_budget`` likeliest tokens at the true j (what that budget covers if j were known).
+    known_j_budget: int = 0
+    known_j_hits: int = 0
 
     @property
     def hidden_ns(self) -> float:
@@ -134,14 +139,16 @@ class NgramRLMethod:
     name = "ngramrl"
 
     def __init__(self, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
-                 prefetch: PrefetchConfig | None = None, budgets: list[int] | None = None) -> None:
+                 prefetch: PrefetchConfig | None = None, budgets: list[int] | None = None,
+                 known_j_budget: int = 0) -> None:
         self.history = RolloutHistory(history)
         self.drafter = NgramDrafter(self.history, drafter)
         self.prefetch = prefetch or PrefetchConfig()
         self.calibration = AcceptanceCalibration(self.prefetch.prior_strength, self.prefetch.calibration_decay)
         self.request: RequestState | None = None
         self.last_draft: Draft | None = None
-        self.tally = CoverageTally(sorted(set(budgets or [])))
+        self.tally = CoverageTally(sorted(set(budgets or [])), known_j_budget=known_j_budget)
+        self._known_j: list[set[int]] = []
         self._sweep_allocation = PrefetchConfig(budget=max(self.tally.budgets or [0]), levels=self.prefetch.levels)
         self._ceiling = _BigramHistory()
         self._outcomes: list[Outcome] = []
@@ -210,6 +217,8 @@ class NgramRLMethod:
                     self.tally.hits[budget] = self.tally.hits.get(budget, 0) + 1
             context_last = tokens[-2] if len(tokens) > 1 else self._ceiling.last
             self.tally.ceiling_hits += self._ceiling.seen(context_last, tokens[-1])
+            if self.tally.known_j_budget:
+                self.tally.known_j_hits += accepted < len(self._known_j) and tokens[-1] in self._known_j[accepted]
         self._ceiling.extend(tokens)
 
     def _predict(self, draft: Draft, k: int) -> None:
@@ -231,6 +240,21 @@ class NgramRLMethod:
         self.tally.prefetch_ns.append(spent)
         self.tally.spent_ns += spent
         self._prefetch_states(sources, draft, {j for j, _ in keys})
+        if self.tally.known_j_budget:
+            self._known_j = self._likeliest_b(sources, draft, self.tally.known_j_budget)
+
+    def _likeliest_b(self, sources: list, draft: Draft, budget: int) -> list[set[int]]:
+        """For every j, the ``budget`` tokens the outcome model rates likeliest as b after
+        d_1..d_j (its P(b | j))."""
+        out = []
+        at = list(sources)
+        for j in range(len(draft.tokens) + 1):
+            rejected = draft.tokens[j] if j < len(draft.tokens) else -1
+            estimates = continuation_estimates(at, self.prefetch.levels, budget, rejected, 0)
+            out.append({token for _, token in estimates})
+            if j < len(draft.tokens):
+                at = step_sources(at, draft.tokens[j])
+        return out
 
     def _prefetch_states(self, sources: list, draft: Draft, accepted: set[int]) -> None:
         """The match-state design, measured beside the other: the states after d_1..d_j for the

@@ -131,9 +131,10 @@ def run_bench(config: BenchConfig, progress: bool = True) -> list[ReplayResult]:
                     if config.sweep and k == config.ks[0]:
                         # A separate replay: predicting the top 64 would inflate the main run's timings.
                         swept = NgramRLMethod(config.history, drafter_for(trace, config.drafter),
-                                              PrefetchConfig(budget=0), config.sweep)
+                                              PrefetchConfig(budget=0), config.sweep, known_j_budget=config.budget)
                         replay(trace, swept, k, trace.path)
                         result.coverage["sweep"] = {str(b): round(swept.tally.value(b), 4) for b in config.sweep}
+                        result.coverage["known_j"] = round(swept.tally.known_j_hits / max(1, swept.tally.steps), 4)
                 results.append(result)
     bar.close()
     return results

@@ -101,6 +101,23 @@ def test_replay_with_prefetch_uses_the_same_drafts():
     assert prefetching.tally.value(16) >= prefetching.tally.value(1) > 0
 
 
+def test_knowing_j_covers_at_least_what_the_outcome_model_covers():
+    """An outcome among the top B overall has its b among the top B at its own j: the known-j
+    figure bounds coverage at the same budget from above (and is below 1 when b is uncertain)."""
+    from ngramrl.bench.methods import NgramRLMethod
+
+    rng = random.Random(6)
+    prompts = {f"p{i}": [1, 2, 3 + i] for i in range(3)}
+    rollouts = [Rollout(pid, epoch, sample, prompt, [rng.choice(range(10, 22)) for _ in range(40)] + [2])
+                for epoch in range(3) for pid, prompt in prompts.items() for sample in range(3)]
+    for budget in (1, 4):
+        method = NgramRLMethod(budgets=[budget], known_j_budget=budget)
+        replay(toy_trace(rollouts), method, 8)
+        tally = method.tally
+        assert tally.hits.get(budget, 0) <= tally.known_j_hits < tally.steps
+        assert tally.known_j_hits > 0
+
+
 def test_tree_method_accepts_along_a_branch_the_chain_leaves_out():
     """Two earlier rollouts went one way and one the other; the replayed one takes the rarer way:
     the chain drafts the frequent way and loses the step, a tree of two paths keeps both."""
