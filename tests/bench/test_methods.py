@@ -135,3 +135,21 @@ def test_tree_method_accepts_along_a_branch_the_chain_leaves_out():
     assert accepted == [len(rare)]
     single = replay(trace, NgramRLTreeMethod(width=1), 16)
     assert single.forwards == chain.forwards  # a tree of one path is the chain
+
+
+def test_known_j_counts_b_among_the_likeliest_tokens_after_the_true_j():
+    """After [10] the history saw 11 three times, 12 twice, 13 once; the replayed rollout rejects
+    11 and emits 13: the second likeliest correction, so a budget of 2 covers it and 1 does not."""
+    from ngramrl.bench.methods import NgramRLMethod
+
+    prompt = [1, 5, 6]
+    outputs = [[10, 11, 2]] * 3 + [[10, 12, 2]] * 2 + [[10, 13, 2]]
+    rollouts = [Rollout("a", 0, s, prompt, out) for s, out in enumerate(outputs)]
+    rollouts.append(Rollout("a", 1, 0, prompt, [10, 13, 2]))
+    found = {}
+    for budget in (1, 2):
+        method = NgramRLMethod(budgets=[budget], known_j_budget=budget)
+        replay(toy_trace(rollouts), method, 8)
+        assert method.tally.steps == 1
+        found[budget] = method.tally.known_j_hits
+    assert found == {1: 0, 2: 1}
