@@ -2,7 +2,7 @@
 replayed steps: the evidence behind the choices in docs/drafter.md (path choice, levels, the
 cross-prompt index, tree widths).
 
-    python scripts/drafter_choices.py ngramrl/traces/*.jsonl.gz --k 16 \\
+    python scripts/drafter_choices.py ngramrl/traces/*.jsonl.gz --k 16 --k 32 \\
         --variant path_width=2 --variant path_width=4 --variant levels=1 --variant use_global=false \\
         --variant tree:width=8
 
@@ -48,7 +48,7 @@ def parse_variant(text: str) -> tuple[str, int | None, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+")
-    parser.add_argument("--k", type=int, default=16)
+    parser.add_argument("--k", type=int, action="append", help="draft tokens (tree nodes) per step; repeatable")
     parser.add_argument("--variant", action="append", default=[])
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -56,22 +56,23 @@ def main() -> None:
     rows: list[dict] = []
     for path in args.traces:
         trace = read_trace(path)
-        defaults: dict[str, float] = {}  # the default chain's and tree's tokens per forward (replayed first)
-        for kind, width, fields in variants:
-            drafter = drafter_for(trace, DrafterConfig(**fields))
-            method = (NgramRLTreeMethod(drafter=drafter, width=width) if kind == "tree"
-                      else NgramRLMethod(drafter=drafter))
-            value = replay(trace, method, args.k).tokens_per_forward
-            defaults.setdefault(kind, value)
-            label = kind + (f" width={width}" if kind == "tree" else "") + "".join(
-                f" {key}={field}" for key, field in fields.items())
-            rows.append({"trace": os.path.basename(path), "variant": label, "k": args.k,
-                         "tokens_per_forward": round(value, 4), "vs_default": round(value / defaults[kind], 4)})
-            print(f"{os.path.basename(path).split('.jsonl')[0]:<28} {label:<34} {value:7.3f} "
-                  f"{rows[-1]['vs_default']:6.3f}x of the default {kind}", flush=True)
+        for k in args.k or [16]:
+            defaults: dict[str, float] = {}  # the default chain's and tree's tokens per forward (replayed first)
+            for kind, width, fields in variants:
+                drafter = drafter_for(trace, DrafterConfig(**fields))
+                method = (NgramRLTreeMethod(drafter=drafter, width=width) if kind == "tree"
+                          else NgramRLMethod(drafter=drafter))
+                value = replay(trace, method, k).tokens_per_forward
+                defaults.setdefault(kind, value)
+                label = kind + (f" width={width}" if kind == "tree" else "") + "".join(
+                    f" {key}={field}" for key, field in fields.items())
+                rows.append({"trace": os.path.basename(path), "variant": label, "k": k,
+                             "tokens_per_forward": round(value, 4), "vs_default": round(value / defaults[kind], 4)})
+                print(f"{os.path.basename(path).split('.jsonl')[0]:<28} k={k:<3} {label:<34} {value:7.3f} "
+                      f"{rows[-1]['vs_default']:6.3f}x of the default {kind}", flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"k": args.k, "rows": rows}, handle, indent=1)
+            json.dump({"rows": rows}, handle, indent=1)
             handle.write("\n")
 
 
