@@ -6,14 +6,16 @@ For a request (prompt id, prompt, output so far) it proposes up to k tokens:
    recent rollouts and its siblings in flight. The request keeps its match state there: the longest
    suffix of its context seen in that index, and how long it is. Committing tokens moves the state
    in O(1) amortised time per token.
-2. **Continuation.** From the matched state (backed off along suffix links to the first state that
-   has continuations) the draft follows, token by token, the continuation that followed most often
-   (newest on ties). Where the matched occurrences end, it backs off to a shorter suffix and goes
-   on, which also continues loops. The chance that each drafted token follows, given the tokens
-   before it, is estimated from the same counts (Witten-Bell); the draft stops when the product
-   falls under ``min_confidence``, at a stop token, or after k tokens.
-3. **Cross-prompt fallback.** When other prompts' rollouts match a longer suffix than this
-   prompt's index, the draft comes from them instead.
+2. **Estimate.** The chance that each token follows comes from ``continuation_estimates``
+   (``ngramrl/core/estimate.py``): the suffix levels of the context in this prompt's index,
+   interpolated longest first (Witten-Bell), then other prompts' rollouts (the cross-prompt
+   index) for the mass this prompt's history leaves unexplained.
+3. **Chain.** The draft takes the likeliest token, steps the match states by it, and goes on
+   (``extend_path``): where occurrences end shorter contexts take over, which also continues
+   loops. It stops after k tokens, at a stop token, where nothing is known, or when the product of
+   the estimates falls under ``min_confidence``. With ``path_width`` > 1 the path is chosen by
+   expected accepted length in a best-first draft tree first (``ngramrl/core/tree.py``), and
+   ``lookup_tree`` returns such a tree itself.
 
 The request's own committed tokens enter its prompt's index right after the next draft was made
 (``absorb``), never in between: so the next draft is a pure function of the index and the tokens

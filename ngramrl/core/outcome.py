@@ -6,9 +6,10 @@ emits (a correction, never d_{j+1}, when j < k; the bonus token when j = k).
 - P(j) comes from per-position acceptance chances: the drafter's own estimate for each drafted
   token, calibrated by what was observed so far (``AcceptanceCalibration``). Calibration is
   causal: it only learns from outcomes that already happened.
-- P(b | j) comes from the index: the continuations seen after the context plus d_1..d_j, without
-  d_{j+1} (it was rejected), backing off to shorter suffixes for the unseen mass (Witten-Bell),
-  and then to the other prompts' rollouts (the cross-prompt index).
+- P(b | j) is the drafter's own continuation estimate (``continuation_estimates``) after the
+  context plus d_1..d_j, given that d_{j+1} did not follow (it was rejected): the same evidence
+  the draft and its tree alternatives come from, read down to the empty context. The outcomes are
+  the branches a draft tree would grow off the sent path, scored with calibrated chances.
 - ``allocate`` spends a budget of next-draft lookups on the most probable outcomes, per request
   and optionally across a batch, so a confident request gets few candidates and an uncertain one
   many. Outcomes are disjoint events, so the top-B set maximises the chance of a hit.
