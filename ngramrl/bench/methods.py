@@ -15,8 +15,8 @@ from typing import Protocol
 
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.automaton import SuffixAutomaton
-from ngramrl.core.drafter import Draft, MatchState, NgramDrafter, RequestState, advance
-from ngramrl.core.estimate import continuation_estimates, step_sources
+from ngramrl.core.drafter import Draft, NgramDrafter, RequestState
+from ngramrl.core.estimate import MatchState, advance, continuation_estimates, step_sources
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, predict_for
 from ngramrl.core.trace import Rollout

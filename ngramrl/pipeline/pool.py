@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ngramrl.config import DrafterConfig, NgramRLConfig
-from ngramrl.core.drafter import EMPTY, Draft, MatchState, NgramDrafter, RequestState, advance
+from ngramrl.core.drafter import EMPTY, Draft, NgramDrafter, RequestState
+from ngramrl.core.estimate import MatchState, advance
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import AcceptanceCalibration
 from ngramrl.core.prefetch import choose_outcomes
