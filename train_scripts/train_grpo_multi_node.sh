@@ -6,8 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=/dev/null
 source ray_configs/cluster.env
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH  # the cluster refuses requests without its token
 PYTHON=${PYTHON:-python3}
 "$PYTHON" -m ngramrl.cli train --check --config ray_configs/gpu_multi_node.yaml "$@"    # fail fast, before submitting
-exec ray job submit --address "http://${HEAD_ADDR:-127.0.0.1}:$DASHBOARD_PORT" \
+exec ray job submit --address "http://$DASHBOARD_HOST:$DASHBOARD_PORT" \
   --runtime-env ray_configs/runtime_env.yaml \
   -- python3 -m ngramrl.cli train --config ray_configs/gpu_multi_node.yaml "$@"

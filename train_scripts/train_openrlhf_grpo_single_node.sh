@@ -6,11 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=/dev/null
 source ray_configs/cluster.env
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH  # the cluster refuses requests without its token
 MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct}
 DATA=${DATA:-OpenRLHF/prompt-collection-v0.1}
 SAVE=${SAVE:-./checkpoint/qwen2.5-7b-grpo-ngramrl}
 
-exec ray job submit --address "http://${HEAD_ADDR:-127.0.0.1}:$DASHBOARD_PORT" \
+exec ray job submit --address "http://$DASHBOARD_HOST:$DASHBOARD_PORT" \
   --runtime-env ray_configs/runtime_env.yaml \
   -- python3 -m ngramrl.openrlhf \
   --actor.model_name_or_path "$MODEL" \

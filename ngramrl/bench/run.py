@@ -106,7 +106,52 @@ def measure_history_memory(trace: Trace, config: HistoryConfig) -> dict:
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     tokens = history.stored_tokens
-    return {"stored_tokens": tokens, "bytes": used, "bytes_per_token": round(used / max(1, tokens), 1)}
+    report = {"stored_tokens": tokens, "bytes": used, "bytes_per_token": round(used / max(1, tokens), 1)}
+    native = measure_native_memory(trace, config)
+    if native is not None:
+        report["native"] = native
+    return report
+
+
+def _malloc_in_use() -> int | None:
+    """Bytes glibc's malloc has handed out and not taken back (mallinfo2), or None elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError, TypeError):
+        return None
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def measure_native_memory(trace: Trace, config: HistoryConfig) -> dict | None:
+    """The same history in the native core (tracemalloc cannot see C++ memory): the bytes its
+    structures hold by their own count, and what malloc handed out meanwhile, per stored token.
+    None when the extension is not built."""
+    from ngramrl.core.batch import make_core, native_module
+
+    if native_module() is None:
+        return None
+    before = _malloc_in_use()
+    core = make_core(config, native=True)
+    for rollout in trace.rollouts:
+        core.add_rollout(rollout.prompt_id, rollout.prompt, rollout.output, rollout.epoch)
+    core.build_indexes()
+    after = _malloc_in_use()
+    tokens = core.stored_tokens
+    counted = core.memory_bytes()
+    report = {"stored_tokens": tokens, "bytes": counted, "bytes_per_token": round(counted / max(1, tokens), 1)}
+    if before is not None and after is not None:
+        report["malloc_bytes_per_token"] = round((after - before) / max(1, tokens), 1)
+    core.close()
+    return report
 
 
 def run_bench(config: BenchConfig, progress: bool = True) -> list[ReplayResult]:

@@ -1,8 +1,9 @@
-"""The adaptive fan-out prefetcher.
+"""The adaptive fan-out prefetcher for asyncio loops.
 
 While the target verifies draft d, the CPU predicts the likely outcomes (j, b) and looks up the
-next draft for each in advance, on worker threads (or, later, the Ray drafter pool behind the same
-``LookupWorker`` interface). When the real outcome arrives, a finished lookup for it is the next
+next draft for each in advance, on worker threads behind the ``LookupWorker`` interface. (The
+engine proposer and the drafter pool prefetch with the batched core instead:
+``ngramrl.core.batch``, docs/native.md.) When the real outcome arrives, a finished lookup for it is the next
 draft; anything else (not predicted, still running, failed) falls back to the ordinary lookup.
 
 Prefetched and ordinary lookups are the same function of the same index and the same tokens
@@ -13,7 +14,6 @@ prefetching changes when a draft is computed, never which draft, and never a com
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections import deque
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -150,88 +150,3 @@ class Prefetcher:
         if pending is not None:
             for task in pending.tasks.values():
                 task.cancel()
-
-
-class BackgroundPrefetch:
-    """The prefetcher for a synchronous engine loop (vLLM's model runner): one worker thread
-    that, while the engine's forward runs (PyTorch releases the GIL), adds the step's committed
-    tokens to the index and then predicts outcomes and runs their lookups. ``collect`` stops it
-    before the index is used again; lookups that finished are used, the rest are simply not, and
-    tokens it had no time to add are added by the next ``commit``.
-
-    ``cores``: the CPU cores the thread runs on (those the forward leaves idle; empty: anywhere)."""
-
-    def __init__(self, drafter: NgramDrafter, config: PrefetchConfig, calibration: AcceptanceCalibration,
-                 cores: frozenset[int] = frozenset()) -> None:
-        import threading
-
-        self.drafter = drafter
-        self.config = config
-        self.calibration = calibration
-        self.cores = cores
-        self.stats = PrefetchStats()
-        self._results: dict[tuple[str, int, int], Draft] = {}
-        self._jobs: list[tuple[RequestState, Draft, int]] = []
-        self._absorb: list[RequestState] = []
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._thread = threading.Thread(target=self._run, name="ngramrl-prefetch", daemon=True)
-        self._thread.start()
-
-    def dispatch(self, jobs: list[tuple[RequestState, Draft, int]], absorb: list[RequestState] = ()) -> None:
-        """Drafts (request, draft, k) were sent for verification: add the ``absorb`` requests'
-        committed tokens to the index, then work on the drafts' likely outcomes."""
-        self._jobs = jobs
-        self._absorb = list(absorb)
-        self._results = {}
-        self._stop.clear()
-        self._idle.clear()
-        self._wake.set()
-
-    def collect(self) -> dict[tuple[str, int, int], Draft]:
-        """Stop the worker (it finishes the lookup in hand) and return the lookups that finished."""
-        self._stop.set()
-        self._idle.wait()
-        return self._results
-
-    def _run(self) -> None:
-        if self.cores and hasattr(os, "sched_setaffinity"):
-            try:
-                os.sched_setaffinity(0, self.cores)  # this thread only (Linux): the cores the forward leaves idle
-            except OSError:
-                pass
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            try:
-                self._work()
-            except Exception:  # noqa: BLE001 - a failed prefetch is only a miss
-                self.stats.failed += 1
-            finally:
-                self._idle.set()
-
-    def _work(self) -> None:
-        for request in self._absorb:
-            if self._stop.is_set():
-                return
-            self.drafter.absorb(request)
-        if self._stop.is_set():
-            return
-        begin = time.perf_counter_ns()
-        jobs = {request.request_id: (request, draft, k) for request, draft, k in self._jobs}
-        chosen = choose_outcomes(self.drafter, [(request, draft) for request, draft, _ in jobs.values()],
-                                 self.calibration, self.config)
-        self.stats.plan_ns.append((time.perf_counter_ns() - begin) // max(1, len(jobs)))
-        # Likeliest outcomes of the whole batch first, so an early stop loses the least.
-        queue = sorted(((o, rid) for rid, outcomes in chosen.items() for o in outcomes),
-                       key=lambda item: -item[0].probability)
-        for outcome, rid in queue:
-            if self._stop.is_set():
-                return
-            request, draft, k = jobs[rid]
-            after = draft.tokens[:outcome.accepted] + [outcome.token]
-            key = (request.request_id, outcome.accepted, outcome.token)
-            self._results[key] = self.drafter.lookup(request, k, after)
-            self.stats.dispatched += 1

@@ -22,12 +22,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
-from ngramrl.core.cost import StepCostModel, choose_draft_lengths, probe_lengths
-from ngramrl.core.drafter import EMPTY, Draft, NgramDrafter
-from ngramrl.core.history import RolloutHistory
-from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival
-from ngramrl.core.prefetch import BackgroundPrefetch
+from ngramrl.core.batch import DraftBatch, choose_lengths, make_core
+from ngramrl.core.cost import StepCostModel
+from ngramrl.core.drafter import EMPTY, Draft
+from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower
 
 CONFIG_ENV = "NGRAMRL_CONFIG"
 PROBE_TOKENS = (1, 4)  # draft tokens verified by the probes while drafting is off, in turn
@@ -69,6 +70,7 @@ class ProposerStats:
     drafts: int = 0
     drafted_tokens: int = 0
     cut_tokens: int = 0          # drafted, then dropped by the cost model
+    invalid_tokens: int = 0      # drafted, then dropped as no token id of the target (a corrupt history)
     prefetch_hits: int = 0       # next drafts that were ready from the prefetch
     finished_rollouts: int = 0
     row_steps: int = 0           # (request, step) pairs: target forwards spent on requests with a prompt id
@@ -121,6 +123,25 @@ def _cpu_list(text: str) -> list[int]:
     return cores
 
 
+def _vocab_size(vllm_config: Any) -> int | None:
+    """The target's vocabulary size, None where the config cannot tell (stand-in configs)."""
+    get = getattr(vllm_config.model_config, "get_vocab_size", None)
+    try:
+        return int(get()) if callable(get) else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def valid_prefix(tokens: list[int], vocab_size: int | None) -> int:
+    """How many leading tokens are token ids of the target's vocabulary: a draft goes to vLLM only
+    as far as its tokens are valid (its kernels index the vocabulary with them; -1 is its padding)."""
+    upper = vocab_size if vocab_size is not None else 1 << 62
+    for i, token in enumerate(tokens):
+        if not (isinstance(token, int) and 0 <= token < upper):
+            return i
+    return len(tokens)
+
+
 def _eos_ids(vllm_config: Any) -> tuple[int, ...]:
     eos = getattr(vllm_config.model_config.hf_config, "eos_token_id", None)
     if eos is None:
@@ -135,6 +156,7 @@ class NgramRLProposer:
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.vocab_size = _vocab_size(vllm_config)
         self.config = config_from_env(os.environ.get(CONFIG_ENV))
         stops = tuple(sorted(set(self.config.drafter.stop_tokens) | set(_eos_ids(vllm_config))))
         self.drafter_config = DrafterConfig(**{**self.config.drafter.__dict__, "stop_tokens": stops})
@@ -167,98 +189,117 @@ class NgramRLProposer:
         self._resume: tuple[int, int] | None = None
         self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch,
                                                              *_forward_resources(vllm_config))
+        self._looked_up = False
+        self._step_batch: DraftBatch | None = None  # the core's drafts of the current step
+        self.core: Any = None  # the drafting core, where drafts are made in this process
         self._setup_drafting()
 
-    # -- where drafts come from: the local history (overridden by the Ray drafter pool's client) --
+    # -- where drafts come from: the drafting core in this process (the Ray drafter pool's client
+    #    overrides these hooks) --
 
     def _setup_drafting(self) -> None:
-        self.history = RolloutHistory(self.config.history)
-        self.drafter = NgramDrafter(self.history, self.drafter_config)
-        self.prefetch = (BackgroundPrefetch(self.drafter, self.config.prefetch, self.calibration,
-                                            self.prefetch_cores) if self.prefetching else None)
-        self._prefetched: dict[tuple[str, int, int], Draft] = {}
+        """The drafting core (native when built) holds the history and the acceptance calibration
+        (learned by following every draft it makes), which its outcome model and its choice of
+        draft lengths read."""
+        self.core = make_core(self.config.history, self.drafter_config, self.config.prefetch,
+                              threads=self.config.engine.draft_threads, follow=True)
+        self.follower = None  # the core follows every draft it makes and calibrates itself
+        self.calibration = None
 
     def _start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> Any:
-        """A request with a prompt id starts; returns its drafting state."""
-        return self.drafter.start(req_id, prompt_id, prompt, before, register=True)
+        """A request with a prompt id starts; returns its drafting state (a core handle)."""
+        return self.core.start(prompt_id, prompt, before, register=True)
 
     def _finish(self, request: Any, epoch: int) -> None:
-        self.drafter.finish(request, epoch=epoch)
+        self.core.finish(request, epoch=epoch)
 
     def _begin_step(self) -> None:
-        """The forward that verified the last drafts is over: stop prefetching, take what finished."""
-        self._prefetched = self.prefetch.collect() if self.prefetch is not None else {}
+        """The forward that verified the last drafts is over: stop the prefetch (its finished
+        lookups are kept for this step)."""
+        if self.prefetching:
+            self.core.collect(cancel=True)
 
     def _draft(self, rows: list[Row]) -> list[Draft]:
-        """Commit each row's sampled tokens and make its next draft (at most ``row.k`` tokens).
-        With a background worker the committed tokens enter the index there, during the forward;
-        otherwise right after the row's lookup. In a step without lookups (drafting does not pay at
-        this batch size) they wait: the next lookup step, or the request's end, indexes the backlog
-        in one go: the automaton is then in the caches, not flushed by a forward (at 32 requests in
-        flight this took a quarter off the proposer's mean time per step; docs/vllm.md)."""
-        drafts = []
-        inline = self.prefetch is None
-        if any(row.k > 0 for row in rows):
-            for row in rows:  # first every row's backlog from steps without lookups: siblings see it
-                self.drafter.absorb(row.request)
-        for row in rows:
-            request = row.request
-            if row.k <= 0:
-                self.drafter.defer(request, row.sampled)
-                drafts.append(EMPTY)
-                continue
-            self.drafter.commit(request, row.sampled)  # also adds what the worker had no time for
-            ready = self._prefetched.get((row.req_id, len(row.sampled) - 1, row.sampled[-1]))
-            if ready is not None:  # the draft the lookup below would make, computed during the forward
-                self.stats.prefetch_hits += 1
-                drafts.append(ready.truncated(row.k))
-            else:
-                drafts.append(self.drafter.lookup(request, row.k))
-            if inline:
-                self.drafter.absorb(request)
-        return drafts
+        """Commit each row's sampled tokens and make its next draft (at most ``row.k`` tokens), all
+        rows in one call of the core. A row without room (k = 0: drafting does not pay at this
+        batch size) only keeps its tokens: the next step that drafts indexes the backlog in one go,
+        when the automaton is in the caches, not flushed by a forward (at 32 requests in flight this
+        took a quarter off the proposer's mean time per step; docs/vllm.md)."""
+        if not rows:
+            self._step_batch = DraftBatch.from_drafts([])
+            self._looked_up = False
+            return []
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(row.sampled) for row in rows], out=offsets[1:])
+        batch = self.core.step([row.request for row in rows], [t for row in rows for t in row.sampled], offsets,
+                               [row.k for row in rows])
+        self.stats.prefetch_hits += int(batch.prefetched.sum())
+        self._looked_up = any(row.k > 0 for row in rows)
+        self._step_batch = batch
+        return batch.drafts()
 
     def _end_step(self, rows: list[Row], drafts: list[Draft]) -> None:
-        """Drafts go to verification: while the forward runs, the worker adds the committed tokens
-        to the index and looks up the next drafts of the likeliest outcomes. When the next step
-        makes no lookups (drafting does not pay at this batch size) the worker is not woken and the
-        next step's commits add the tokens: a worker woken for the inserts alone contends for the
-        GIL with the engine's own Python, and measured 1.3% slower than synchronous drafting at 32
-        requests in flight (docs/vllm.md)."""
-        if self.prefetch is None or not self._prefetches_next(len(rows)):
+        """Drafts go to verification. After a step with lookups its committed tokens enter the
+        index: in the background during the forward, with the next drafts of the likeliest
+        outcomes prefetched after them, where the forward leaves a core idle; otherwise at once
+        (a background thread on the forward's cores would slow it). A step without lookups leaves
+        them for the next one that looks up (a worker woken for the inserts alone measured 1.3%
+        slower than synchronous drafting at 32 requests in flight; docs/vllm.md)."""
+        if not rows or not self._looked_up:
             return
-        self.prefetch.dispatch([(row.request, draft, self.k) for row, draft in zip(rows, drafts, strict=True)
-                                if row.k > 0], absorb=[row.request for row in rows])
+        handles = [row.request for row in rows]
+        if not self.prefetching:
+            self.core.absorb(handles, now=True)
+            return
+        if not self._prefetches_next(len(rows)):
+            self.core.absorb(handles)
+            return
+        drafting = np.array([row.k > 0 for row in rows])
+        kept = self._step_batch.truncated([len(draft.tokens) for draft in drafts])
+        sizes = np.diff(kept.offsets)[drafting]
+        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        mask = np.repeat(drafting, np.diff(kept.offsets))
+        self.core.prefetch(np.asarray(handles)[drafting], kept.tokens[mask], offsets, kept.probs[mask], self.k,
+                           absorb=handles)
 
     def _prefetches_next(self, rows: int) -> bool:
         """Whether next drafts are worth prefetching now: the next step will look them up."""
         return self.config.prefetch.budget > 0 and self._looks_up(self.stats.steps + 1, rows)
 
     def _backend_stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = {"prompts": len(self.history)}
-        if self.prefetch is not None:
-            plan = self.prefetch.stats.plan_ns
-            stats.update(prefetch_dispatched=self.prefetch.stats.dispatched,
-                         prefetch_failed=self.prefetch.stats.failed,
-                         prefetch_plan_us_median=statistics.median(plan) / 1000 if plan else None)
+        stats: dict[str, Any] = {"prompts": len(self.core), "native_core": self.core.native}
+        timings = self.core.timings() if self.core.native else None
+        if self.prefetching and timings is not None:
+            stats.update(prefetch_dispatched=timings["prefetch_lookups"], prefetch_failed=0,
+                         prefetch_plan_us_median=timings["plan_ns"] / 1000 / max(1, timings["plan_rows"]))
         return stats
+
+    def _followed(self) -> tuple[int, int]:
+        """Drafts followed to their end and their accepted tokens."""
+        if self.follower is not None:
+            return self.follower.resolved, self.follower.accepted
+        return self.core.followed()
+
+    def calibration_state(self) -> list[list[float]]:
+        return self.core.calibration_state() if self.core is not None else self.calibration.state()
 
     def export_state(self) -> dict[str, Any] | None:
         """What this proposer has learned, as plain data: the rollout history it drafts from, the
         step-cost fit and the acceptance calibration; a new engine given it (``restore_state``)
         starts warm. None where the history lives elsewhere (the Ray drafter pool)."""
-        return {"history": self.history.export(), "step_cost": self.cost.state(),
-                "calibration": self.calibration.state(), "delivered": list(self._delivered)}
+        return {"history": self.core.export(), "step_cost": self.cost.state(),
+                "calibration": self.calibration_state(), "delivered": list(self._delivered)}
 
     def restore_state(self, state: dict[str, Any]) -> int:
         """Take what ``export_state`` gave, in place of what this proposer had learned (between
         generate calls); returns the prompts now known."""
-        self.history.clear()
-        self.history.restore(state["history"])
+        self.core.clear()
+        self.core.restore(state["history"])
         self.cost.load_state(state["step_cost"])
-        self.calibration.load_state(state["calibration"])
+        self.core.load_calibration_state(state["calibration"])
         self._delivered = [float(v) for v in state["delivered"]]
-        return len(self.history)
+        return len(self.core)
 
     def bind_runner(self, runner: Any) -> None:
         self.runner = runner
@@ -294,7 +335,8 @@ class NgramRLProposer:
             self.stats.row_steps += 1
             self.stats.committed_tokens += len(sampled)
             previous = self._pending.pop(req_id, None)
-            self.follower.committed(req_id, sampled)
+            if self.follower is not None:
+                self.follower.committed(req_id, sampled)
             if previous is not None and previous.tokens:
                 self.stats.accepted_tokens += len(sampled) - 1
                 self._delivered[0] += len(sampled) - 1
@@ -322,9 +364,14 @@ class NgramRLProposer:
         for row, draft, length in zip(rows, made, lengths, strict=True):
             if not draft.tokens:
                 continue
-            self.follower.offer(row.req_id, draft)
-            kept = draft.truncated(length)
+            if self.follower is not None:
+                self.follower.offer(row.req_id, draft)
+            kept = draft if length >= len(draft.tokens) else draft.truncated(length)
             self.stats.cut_tokens += len(draft.tokens) - length
+            valid = valid_prefix(kept.tokens, self.vocab_size)
+            if valid < len(kept.tokens):
+                self.stats.invalid_tokens += len(kept.tokens) - valid
+                kept = kept.truncated(valid)
             if kept.tokens:
                 self._pending[row.req_id] = kept
                 drafts[row.row] = kept.tokens
@@ -358,23 +405,21 @@ class NgramRLProposer:
         accepted tokens the calibrated model expects of what is kept, and whether the cost model
         (not a probe) kept any token."""
         engine = self.config.engine
-        if not any(d.tokens for d in drafts):
-            return [0] * len(drafts), 0.0, False
-        survival = [Survival(d.probs, self.calibration) for d in drafts]
-        if not engine.adaptive_length:
-            chosen = [len(d.tokens) for d in drafts]
-            paid = True
+        flat = self._step_batch if self.core is not None else DraftBatch.from_drafts(drafts)
+        # The tokens chosen are those the model rates highest, so their chances run high (the
+        # winner's curse): scale them by what verified drafts delivered against what was expected.
+        delivered = min(1.0, (self._delivered[0] + 8.0) / (self._delivered[1] + 8.0))
+        probe = PROBE_TOKENS[self._probes % 2] if exploring else 0
+        if self.core is not None:  # one call, in the native core where it is built
+            chosen, expected, paid, probed = self.core.lengths(flat.probs, flat.offsets, delivered,
+                                                               self.cost.coefficients, engine.min_gain,
+                                                               engine.adaptive_length, probe)
         else:
-            # The tokens chosen are those the model rates highest, so their chances run high (the
-            # winner's curse): scale them by what verified drafts delivered against what was expected.
-            delivered = min(1.0, (self._delivered[0] + 8.0) / (self._delivered[1] + 8.0))
-            chosen = choose_draft_lengths([Survival(d.probs, self.calibration, delivered) for d in drafts],
-                                          self.cost, engine.min_gain)
-            paid = any(chosen)
-            if exploring and not any(chosen):
-                chosen = probe_lengths(survival, PROBE_TOKENS[self._probes % 2])
-                self._probes += 1
-        return chosen, sum(sum(s[:n]) for s, n in zip(survival, chosen, strict=True)), paid
+            chosen, expected, paid, probed = choose_lengths(self.calibration, flat.probs, flat.offsets, delivered,
+                                                            self.cost.coefficients, engine.min_gain,
+                                                            engine.adaptive_length, probe)
+        self._probes += probed
+        return chosen.tolist(), expected, paid
 
     def _back_off(self, kept: bool, rows: int, exploring: bool) -> None:
         """A lookup step kept some draft tokens (look up every step, probe at the shortest
@@ -437,7 +482,8 @@ class NgramRLProposer:
             request = self.requests.pop(req_id)
             epoch = self.epochs.pop(req_id, 0)
             self._pending.pop(req_id, None)
-            self.follower.drop(req_id)
+            if self.follower is not None:
+                self.follower.drop(req_id)
             if request is not None:
                 self._finish(request, epoch)
                 self.stats.finished_rollouts += 1
@@ -448,10 +494,11 @@ class NgramRLProposer:
         stats = self.stats
         return {"steps": stats.steps, "drafts": stats.drafts, "drafted_tokens": stats.drafted_tokens,
                 "prefetch_hits": stats.prefetch_hits, "cut_tokens": stats.cut_tokens,
+                "invalid_tokens": stats.invalid_tokens,
                 "finished_rollouts": stats.finished_rollouts, "row_steps": stats.row_steps,
                 "committed_tokens": stats.committed_tokens, "accepted_tokens": stats.accepted_tokens,
                 "expected_accepted": round(stats.expected_accepted, 2),
-                "followed_drafts": self.follower.resolved, "followed_accepted": self.follower.accepted,
+                **dict(zip(("followed_drafts", "followed_accepted"), self._followed(), strict=True)),
                 "draft_us_median": (statistics.median(stats.recent_draft_ns) / 1000 if stats.recent_draft_ns
                                     else None),
                 "draft_us_total": stats.draft_ns_total / 1000, "step_base_s": base,

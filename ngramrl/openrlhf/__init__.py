@@ -12,7 +12,9 @@ arguments the actor already forwards.
 from __future__ import annotations
 
 SUPPORTED_OPENRLHF = ("0.11.",)
-SUPPORTED_VLLM = ("0.32.",)
+# From OpenRLHF 0.11's own pin (vllm==0.29.0) to the latest release; the vLLM plugin checks each of
+# its patches against the installed vLLM and leaves off what does not match (one logged line).
+SUPPORTED_VLLM = ("0.29.", "0.30.", "0.31.", "0.32.", "0.33.")
 
 
 class UnsupportedVersion(RuntimeError):
@@ -42,7 +44,7 @@ def check_versions() -> tuple[str, str]:
             problems.append(f"{package} {version} is installed")
     if problems:
         supported = (" / ".join(v + "x" for v in SUPPORTED_OPENRLHF) + " with vLLM "
-                     + " / ".join(v + "x" for v in SUPPORTED_VLLM))
+                     + f"{SUPPORTED_VLLM[0]}x to {SUPPORTED_VLLM[-1]}x")
         raise UnsupportedVersion(f"ngramrl's OpenRLHF integration supports OpenRLHF {supported}, but "
                                  f"{'; '.join(problems)}. Install a supported pair, or run OpenRLHF without ngramrl.")
     return found["openrlhf"], found["vllm"]  # type: ignore[return-value]

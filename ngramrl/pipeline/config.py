@@ -19,7 +19,7 @@ from typing import Any
 from ngramrl.config import NgramRLConfig
 
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
-WORKLOADS = ("gsm", "bfcl", "spider")
+WORKLOADS = ("gsm", "bfcl", "spider", "reasoning_gym")
 DRAFTS = ("none", "ngramrl", "ngram", "suffix")
 
 
@@ -64,12 +64,31 @@ class ModelSection:
                              f"(org/name), nor a built-in model ({', '.join(BUILTIN_MODELS)})")
 
 
+def _check_reasoning_gym_task(task: str | None, settings: dict[str, Any]) -> None:
+    """The task exists and takes these settings (its generator is built once, here, to be sure)."""
+    if not task:
+        raise ValueError("task is required for the reasoning_gym workload (a reasoning-gym dataset, e.g. products)")
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ValueError("the reasoning_gym workload needs the reasoning-gym package") from None
+    known = getattr(getattr(reasoning_gym, "factory", None), "DATASETS", None)
+    if known is not None and task not in known:
+        raise ValueError(f"task {task!r} is not a reasoning-gym dataset")
+    try:
+        reasoning_gym.create_dataset(task, size=1, seed=0, **settings)
+    except Exception as err:  # noqa: BLE001 - the generator's own complaint, whatever its type
+        raise ValueError(f"task_settings {settings!r} do not suit {task}: {err}") from None
+
+
 @dataclass
 class WorkloadSection:
     name: str = "gsm"
     prompts: int = 8                 # distinct prompts trained on (revisited every few steps)
     seed: int = 0
     spider_dir: str | None = None    # Spider's data directory (the spider workload only)
+    task: str | None = None          # the reasoning-gym task (the reasoning_gym workload only), e.g. products
+    task_settings: dict[str, Any] = field(default_factory=dict)  # its difficulty settings (create_dataset's)
     reward: str | None = None        # "package.module:function" (text, reference) -> float; default: the workload's
 
     def __post_init__(self) -> None:
@@ -79,6 +98,10 @@ class WorkloadSection:
             raise ValueError(f"name must be one of {', '.join(WORKLOADS)}, got {self.name!r}")
         if self.prompts < 1:
             raise ValueError(f"prompts must be >= 1, got {self.prompts}")
+        if self.name == "reasoning_gym":
+            _check_reasoning_gym_task(self.task, self.task_settings)
+        elif self.task is not None:
+            raise ValueError(f"task is for the reasoning_gym workload, not {self.name}")
         if self.name == "spider":
             if not self.spider_dir:
                 raise ValueError("spider_dir is required for the spider workload")

@@ -22,12 +22,11 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ngramrl.config import DrafterConfig, NgramRLConfig
-from ngramrl.core.drafter import EMPTY, Draft, NgramDrafter, RequestState
-from ngramrl.core.estimate import MatchState, advance
-from ngramrl.core.history import RolloutHistory
-from ngramrl.core.outcome import AcceptanceCalibration
-from ngramrl.core.prefetch import choose_outcomes
+from ngramrl.core.batch import DraftBatch, make_core
+from ngramrl.core.drafter import Draft
 from ngramrl.core.trace import Rollout
 
 logger = logging.getLogger(__name__)
@@ -77,7 +76,8 @@ class ShardStats:
 
 
 class DrafterShard:
-    """The history and live requests of one shard of prompts (a Ray actor in the pipeline)."""
+    """The history and live requests of one shard of prompts (a Ray actor in the pipeline), on the
+    same drafting core as the in-engine proposer (``ngramrl.core.batch``)."""
 
     def __init__(self, index: int, config: NgramRLConfig, stop_tokens: tuple[int, ...] = ()) -> None:
         self.index = index
@@ -85,33 +85,31 @@ class DrafterShard:
         self.drafter_config = DrafterConfig(**{**config.drafter.__dict__,
                                                "stop_tokens": tuple(sorted(set(config.drafter.stop_tokens)
                                                                            | set(stop_tokens)))})
-        self.calibration = AcceptanceCalibration(config.prefetch.prior_strength, config.prefetch.calibration_decay)
         self.stats = ShardStats()
         self._empty()
 
     def _empty(self) -> None:
         """No history and no requests in flight."""
-        self.history = RolloutHistory(self.config.history)
-        self.drafter = NgramDrafter(self.history, self.drafter_config)
-        self.requests: dict[str, RequestState] = {}
+        self.core = make_core(self.config.history, self.drafter_config, self.config.prefetch,
+                              threads=self.config.engine.draft_threads)
+        self.requests: dict[str, int] = {}                         # request id -> core handle
         self.issued: dict[str, Draft] = {}                        # the draft each request is verifying
-        self.candidates: dict[str, dict[tuple[int, int], Draft]] = {}  # its prefetched next drafts
 
     # -- history ----------------------------------------------------------------------------
 
     def add_rollouts(self, rollouts: list[tuple[str, list[int], list[int], int]]) -> int:
         """Finished rollouts (prompt_id, prompt, output, epoch) enter the history."""
-        touched = set()
+        touched = {}
         for prompt_id, prompt, output, epoch in rollouts:
-            self.history.add_rollout(prompt_id, prompt, output, epoch)
-            touched.add(prompt_id)
+            self.core.add_rollout(prompt_id, prompt, output, epoch)
+            touched[prompt_id] = None
         for prompt_id in touched:
-            self.history.index_of(prompt_id)  # rebuild now, between steps, not in the next one
+            self.core.index_prompt(prompt_id)  # rebuild now, between steps, not in the next one
         self.stats.rollouts += len(rollouts)
         return self.stats.rollouts
 
     def snapshot(self) -> dict[str, Any]:
-        return {"version": SNAPSHOT_VERSION, "shard": self.index, "prompts": self.history.export()}
+        return {"version": SNAPSHOT_VERSION, "shard": self.index, "prompts": self.core.export()}
 
     def save(self, path: str) -> str:
         tmp = f"{path}.tmp"
@@ -129,33 +127,44 @@ class DrafterShard:
             raise ValueError(f"{path}: drafter snapshot version {data.get('version')!r}, "
                              f"this ngramrl reads version {SNAPSHOT_VERSION}")
         self._empty()
-        self.history.restore(data["prompts"])
-        return len(self.history)
+        self.core.restore(data["prompts"])
+        return len(self.core)
 
     # -- engine steps -----------------------------------------------------------------------
 
     def step(self, items: list[StepItem], finished: list[str]) -> list[StepReply]:
-        """Commit each request's new tokens and return its next draft (``k`` tokens at most)."""
+        """Commit each request's new tokens and return its next draft (``k`` tokens at most): one
+        core step for the shard's rows; their tokens enter the index right after it."""
         begin = time.perf_counter()
         for request_id in finished:
             self._drop(request_id)
-        replies = []
+        rows: list[StepItem] = []
+        lost: set[str] = set()
         for item in items:
-            request = self.requests.get(item.request_id)
-            if request is None:
+            if item.request_id not in self.requests:
                 if item.prompt is None:
-                    replies.append(StepReply(item.request_id, [], [], known=False))
+                    lost.add(item.request_id)
                     continue
-                request = self.drafter.start(item.request_id, item.prompt_id, item.prompt, item.before or [],
-                                             register=True)
-                self.requests[item.request_id] = request
+                self.requests[item.request_id] = self.core.start(item.prompt_id, item.prompt, item.before or [],
+                                                                 register=True)
             else:
                 self._observe(item)
-            self.drafter.commit(request, item.committed)
-            draft = self._next_draft(request, item)
-            self.issued[item.request_id] = draft
-            self.stats.drafts += bool(draft.tokens)
-            replies.append(StepReply(item.request_id, draft.tokens, draft.probs))
+            rows.append(item)
+        drafts: dict[str, Draft] = {}
+        if rows:
+            handles = [self.requests[item.request_id] for item in rows]
+            offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum([len(item.committed) for item in rows], out=offsets[1:])
+            batch = self.core.step(handles, [t for item in rows for t in item.committed], offsets,
+                                   [item.k for item in rows])
+            self.core.absorb(handles, now=True)
+            for item, draft in zip(rows, batch.drafts(), strict=True):
+                drafts[item.request_id] = draft
+                self.issued[item.request_id] = drafts[item.request_id]
+                self.stats.drafts += bool(drafts[item.request_id].tokens)
+        replies = [StepReply(item.request_id, [], [], known=False) if item.request_id in lost
+                   else StepReply(item.request_id, drafts[item.request_id].tokens, drafts[item.request_id].probs)
+                   for item in items]
         self.stats.steps += 1
         self.stats.step_us.append((time.perf_counter() - begin) * 1e6)
         return replies
@@ -168,70 +177,52 @@ class DrafterShard:
         if item.verified is not None:
             issued = issued.truncated(item.verified)
             self.issued[item.request_id] = issued
-        self.calibration.observe_verified(issued, item.committed)
-
-    def _next_draft(self, request: RequestState, item: StepItem) -> Draft:
-        if item.k <= 0:
-            self.drafter.absorb(request)
-            self.candidates.pop(item.request_id, None)
-            return EMPTY
-        cached = self.candidates.pop(item.request_id, {})
-        if item.hit and item.committed:
-            ready = cached.get((len(item.committed) - 1, item.committed[-1]))
-            if ready is not None:  # the engine is verifying this prefetched draft: make it the issued one
-                self.drafter.absorb(request)
-                return ready.truncated(item.k)
-        return self.drafter.propose(request, item.k)
+        accepted = len(item.committed) - 1
+        if 0 <= accepted <= len(issued.tokens) and item.committed[:accepted] == issued.tokens[:accepted]:
+            self.core.observe(issued.probs, [0, len(issued.probs)], [accepted])
 
     def prefetch(self, request_ids: list[str], k: int) -> dict[str, list[tuple[int, int, list[int], list[float]]]]:
-        """While the engine verifies: the next drafts of each request's likeliest outcomes."""
+        """While the engine verifies: the next drafts of each request's likeliest outcomes (the
+        core's outcome model and allocator; they are the drafts its next step makes for them)."""
         begin = time.perf_counter()
-        sent = []
-        for request_id in request_ids:
-            request, draft = self.requests.get(request_id), self.issued.get(request_id)
-            if request is not None and draft is not None and draft.tokens:
-                sent.append((request, draft))
-        chosen = choose_outcomes(self.drafter, sent, self.calibration, self.config.prefetch)
+        sent = [rid for rid in request_ids if rid in self.requests and self.issued.get(rid) is not None
+                and self.issued[rid].tokens]
         out: dict[str, list[tuple[int, int, list[int], list[float]]]] = {}
-        for request_id, outcomes in chosen.items():
-            request, draft = self.requests[request_id], self.issued[request_id]
-            found = {}
-            for outcome in outcomes:
-                after = draft.tokens[:outcome.accepted] + [outcome.token]
-                found[(outcome.accepted, outcome.token)] = self.drafter.lookup(request, k, after)
-            self.candidates[request_id] = found
-            out[request_id] = [(j, b, d.tokens, d.probs) for (j, b), d in found.items()]
+        if sent:
+            batch = DraftBatch.from_drafts([self.issued[rid] for rid in sent])
+            self.core.prefetch([self.requests[rid] for rid in sent], batch.tokens, batch.offsets, batch.probs, k)
+            found = self.core.collect()
+            for n in range(len(found)):
+                out.setdefault(sent[int(found.rows[n])], []).append(
+                    (int(found.accepted[n]), int(found.token[n]), *_listed(found.drafts.draft(n))))
             self.stats.prefetched += len(found)
         self.stats.prefetch_us.append((time.perf_counter() - begin) * 1e6)
         return out
 
     def _drop(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
+        handle = self.requests.pop(request_id, None)
         self.issued.pop(request_id, None)
-        self.candidates.pop(request_id, None)
-        if request is not None:
-            self.drafter.finish(request, epoch=None, linger=True)  # the driver adds the finished rollout
+        if handle is not None:
+            self.core.finish(handle, epoch=None, linger=True)  # the driver adds the finished rollout
 
     def lookup(self, prompt_id: str, prompt: list[int], output: list[int], k: int) -> tuple[list[int], list[float]]:
         """The draft after ``output`` from the current history, changing nothing."""
-        index = self.history.index_of(prompt_id)
-        if index is None:
-            return [], []
-        request = RequestState(f"lookup-{prompt_id}", prompt_id, list(prompt), list(output), known=True, index=index,
-                               layout=self.history.layout)
-        request.match = advance(index, MatchState(), self.history.sequence(prompt, output))
-        draft = self.drafter.lookup(request, k)
+        draft = self.core.lookup_context(prompt_id, prompt, output, k)
         return draft.tokens, draft.probs
 
     def health(self) -> dict[str, Any]:
         import statistics
 
         stats = self.stats
-        return {"shard": self.index, "pid": os.getpid(), "prompts": len(self.history),
-                "stored_tokens": self.history.stored_tokens, "rollouts": stats.rollouts, "steps": stats.steps,
+        return {"shard": self.index, "pid": os.getpid(), "prompts": len(self.core), "native": self.core.native,
+                "stored_tokens": self.core.stored_tokens, "rollouts": stats.rollouts, "steps": stats.steps,
                 "live_requests": len(self.requests), "prefetched": stats.prefetched,
                 "step_us_median": statistics.median(stats.step_us[-2048:]) if stats.step_us else None,
                 "prefetch_us_median": statistics.median(stats.prefetch_us[-2048:]) if stats.prefetch_us else None}
+
+
+def _listed(draft: Draft) -> tuple[list[int], list[float]]:
+    return list(draft.tokens), list(draft.probs)
 
 
 @dataclass

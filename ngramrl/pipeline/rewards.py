@@ -5,12 +5,15 @@
   function, 1.0 when every argument is one the benchmark allows and no required one is missing.
 - spider: 1 if the predicted query's result on the SQLite database equals the gold query's
   (as a multiset of rows; in order when the gold query sorts), 0 if it differs or fails to run.
+- reasoning_gym: the task's own checker (``score_answer``) on the final answer: what follows the
+  last 'Answer:', or without one the last number (numeric answers) or the last line.
 
 Malformed outputs score 0 and never raise.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sqlite3
@@ -134,7 +137,39 @@ def spider_reward(text: str, reference: dict[str, Any], max_seconds: float = 5.0
     return float(Counter(map(repr, predicted)) == Counter(map(repr, gold)))
 
 
-REWARDS = {"gsm": gsm_reward, "bfcl": bfcl_reward, "spider": spider_reward}
+def final_answer(text: str, numeric: bool = False) -> str:
+    """What follows the last 'Answer:' (to the end of its line); without one, the last number
+    when the answer is a number, else the last non-empty line."""
+    found = re.findall(r"[Aa]nswer\s*[:=]\s*(.*)", text)
+    if found:
+        return found[-1].strip().strip("*$ ").rstrip(".")
+    if numeric:
+        numbers = re.findall(_NUMBER, text)
+        return numbers[-1].replace(",", "").rstrip(".") if numbers else ""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+@functools.lru_cache(maxsize=64)
+def _reasoning_gym_dataset(task: str, settings: str) -> Any:
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(task, size=1, seed=0, **json.loads(settings))
+
+
+def reasoning_gym_reward(text: str, reference: dict[str, Any]) -> float:
+    """The reasoning-gym task's own checker on the final answer (1.0 when right)."""
+    answer = final_answer(text, numeric=_to_number(str(reference["entry"]["answer"])) is not None)
+    if not answer:
+        return 0.0
+    dataset = _reasoning_gym_dataset(reference["task"], json.dumps(reference.get("settings", {}), sort_keys=True))
+    try:
+        return float(dataset.score_answer(answer, reference["entry"]))
+    except Exception:  # noqa: BLE001 - a checker that chokes on a malformed answer scores it 0
+        return 0.0
+
+
+REWARDS = {"gsm": gsm_reward, "bfcl": bfcl_reward, "spider": spider_reward, "reasoning_gym": reasoning_gym_reward}
 
 
 def reward(workload: str, text: str, reference: dict[str, Any]) -> float:

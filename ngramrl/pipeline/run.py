@@ -25,6 +25,7 @@ from ngramrl.pipeline.config import TrainConfig, load_reward
 from ngramrl.pipeline.grpo import group_advantages
 from ngramrl.pipeline.metrics import draft_rates, ratio
 from ngramrl.pipeline.pool import DrafterPool
+from ngramrl.pipeline.report import write_report
 from ngramrl.pipeline.rewards import reward
 from ngramrl.pipeline.tracking import Tracker
 
@@ -71,6 +72,7 @@ class TrainResult:
     output_dir: str
     rollouts: list[Rollout] = field(default_factory=list)
     wandb_dir: str | None = None
+    report_path: str | None = None  # report.png: reward, tokens per forward, rollout time, the trace's replay
 
     def summary(self) -> str:
         head = (f"{'step':>4} {'reward':>7} {'loss':>8} {'tok/fwd':>7} {'offered':>7} {'accept':>6} {'cover':>6} "
@@ -84,6 +86,8 @@ class TrainResult:
                         f"{r.pool_fallback_rows:>8d} {r.pool_restarts:>8d}")
         total = sum(r.rollout_seconds for r in self.steps)
         rows.append(f"rollout time {total:.1f}s over {len(self.steps)} steps; trace: {self.trace_path}")
+        if self.report_path:
+            rows.append(f"report: {self.report_path}")
         return "\n".join(rows)
 
 
@@ -109,7 +113,8 @@ def _prompt_specs(config: TrainConfig, model_dir: str) -> tuple[list[PromptSpec]
     from ngramrl.data.workloads import load_tasks
 
     workload = config.workload
-    tasks = load_tasks(workload.name, workload.prompts, seed=workload.seed, spider_dir=workload.spider_dir)
+    tasks = load_tasks(workload.name, workload.prompts, seed=workload.seed, spider_dir=workload.spider_dir,
+                       task=workload.task, task_settings=workload.task_settings)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     specs, references = [], {}
     for task in tasks:
@@ -236,10 +241,10 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
                                      for rank, t in enumerate(trainers)])
             progress.set_description(f"step {step}: weights")
             sync_begin = time.perf_counter()
-            weights = trainers[0].weights.remote()
-            ray.get([w.load_weights.remote(weights) for w in workers])
+            gathered = [t.weights.remote() for t in trainers]  # every rank joins the gather (ZeRO-3)
+            ray.get([w.load_weights.remote(gathered[0]) for w in workers] + gathered[1:])
             sync_seconds = time.perf_counter() - sync_begin
-            sync_error, checksum = _weight_sync_error(ray, trainers[0], workers)
+            sync_error, checksum = _weight_sync_error(ray, trainers, workers)
             if pool is not None and config.pool.save_every and (step + 1) % config.pool.save_every == 0:
                 pool.save()
             health = pool.health() if pool is not None else []
@@ -253,6 +258,9 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             progress.update(1)
         progress.close()
         result = TrainResult(records, trace.path, output_dir, trace.rollouts, tracker.directory)
+        result.report_path, summary = write_report(output_dir, [asdict(r) for r in records], trace.path,
+                                                   rollout.num_speculative_tokens, config.ngramrl.history)
+        tracker.log_report(result.report_path, summary)
         with open(os.path.join(output_dir, "summary.json"), "w") as handle:
             json.dump([asdict(r) for r in records], handle, indent=1)
         return result
@@ -293,12 +301,12 @@ def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]
 CHECKED_WEIGHTS = ["model.embed_tokens.weight"]
 
 
-def _weight_sync_error(ray: Any, trainer: Any, workers: list[Any]) -> tuple[float, float]:
-    """How far the engines' weights are from the trainer's, on a parameter both name the same;
-    and the trainer's own sum of it."""
-    expected = ray.get(trainer.param_sums.remote(CHECKED_WEIGHTS))
+def _weight_sync_error(ray: Any, trainers: list[Any], workers: list[Any]) -> tuple[float, float]:
+    """How far the engines' and the other ranks' weights are from rank 0's, on a parameter all
+    name the same; and rank 0's own sum of it. Every rank is asked (a collective under ZeRO-3)."""
+    expected, *others = ray.get([t.param_sums.remote(CHECKED_WEIGHTS) for t in trainers])
     worst = 0.0
-    for sums in ray.get([w.param_sums.remote(CHECKED_WEIGHTS) for w in workers]):
+    for sums in others + ray.get([w.param_sums.remote(CHECKED_WEIGHTS) for w in workers]):
         for name, value in expected.items():
             if name not in sums:
                 continue

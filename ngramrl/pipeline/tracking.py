@@ -45,6 +45,20 @@ class Tracker:
                 logger.warning("wandb log failed (%s); continuing with %s", err, self.path)
                 self.run = None
 
+    def log_report(self, image_path: str, summary: dict[str, Any]) -> None:
+        """The run report: its picture, and its headline numbers as the run's summary."""
+        if self.run is None:
+            return
+        try:
+            import wandb
+
+            self.run.log({"report": wandb.Image(image_path)})
+            for key, value in summary.items():
+                if isinstance(value, (int, float)):
+                    self.run.summary[key] = value
+        except Exception as err:  # noqa: BLE001
+            logger.warning("wandb could not take the report (%s); it is at %s", err, image_path)
+
     def finish(self) -> None:
         if self.run is not None:
             try:

@@ -17,7 +17,8 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def _skip_shm_build() -> None:
-    """One CPU rank needs no shared-memory collectives: skip compiling DeepSpeed's op (75-95 s)."""
+    """Training on CPUs needs no shared-memory collectives: DeepSpeed uses its shm op only for
+    inference all-reduce, and gloo reduces the gradients. Skip compiling it (75-95 s)."""
     import sys
 
     module = sys.modules.get("deepspeed.comm.torch")
@@ -31,6 +32,7 @@ class PolicyTrainer:
     def __init__(self, model_dir: str, model: ModelSection, trainer: TrainerSection, batch_per_rank: int, seed: int,
                  rank: int = 0, world_size: int = 1) -> None:
         self.args = (model_dir, model, trainer, batch_per_rank, seed, rank, world_size)
+        self.rank = rank
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it (rank 0 hosts the process group)."""
@@ -56,7 +58,7 @@ class PolicyTrainer:
         import deepspeed
         import deepspeed.comm.torch  # noqa: F401 - the module whose shm build is skipped below
 
-        if on_cpu and world_size == 1:
+        if on_cpu:
             _skip_shm_build()
         deepspeed.init_distributed(dist_backend=trainer.backend)
         from transformers import AutoModelForCausalLM
@@ -126,7 +128,10 @@ class PolicyTrainer:
 
         Without a KL term a sample with zero advantage adds exactly zero gradient, so it is not
         computed at all; each micro-batch's loss is scaled so the gradient is still the mean over
-        every sample. A step where no sample carries signal makes no update."""
+        every sample. Every rank runs the same number of backward passes and optimizer steps,
+        whatever its samples (the gradient all-reduce, and under ZeRO-3 the parameter gathers, are
+        collectives): a micro-batch with no signal is a zero loss over one token, which touches
+        every parameter and adds nothing."""
         from ngramrl.pipeline.grpo import grpo_loss
 
         torch = self.torch
@@ -134,10 +139,7 @@ class PolicyTrainer:
         total = len(samples)
         if self.config.kl_coef == 0:
             samples = [s for s in samples if s["advantage"] != 0.0]
-        metrics_out = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "trained_samples": float(len(samples))}
-        if not samples:
-            return {**metrics_out, "train_seconds": time.perf_counter() - begin, "policy_version": self.version}
-        batches = self._batches(samples)
+        batches: list[dict[str, Any] | None] = self._batches(samples) if samples else []
         while len(batches) < self.micro_batches:  # DeepSpeed steps after a fixed number of micro-batches
             batches.append(None)
         on_policy = self.config.updates_per_step == 1  # the rollout policy is the one being updated
@@ -151,8 +153,7 @@ class PolicyTrainer:
         for _ in range(self.config.updates_per_step):
             for i, batch in enumerate(batches):
                 if batch is None:
-                    anchor = next(self.engine.module.parameters())
-                    self.engine.backward((anchor * 0).sum())
+                    self.engine.backward(self._zero_loss())
                     self.engine.step()
                     continue
                 logp = self._logprobs(self.engine, batch)
@@ -167,21 +168,38 @@ class PolicyTrainer:
                 clips.append(metrics["clip_fraction"] * share)
         self.version += 1
         passes = self.config.updates_per_step
-        metrics_out.update(loss=sum(losses) / passes, kl=sum(kls) / passes, clip_fraction=sum(clips) / passes)
-        return {**metrics_out, "train_seconds": time.perf_counter() - begin, "policy_version": self.version}
+        return {"loss": sum(losses) / passes, "kl": sum(kls) / passes, "clip_fraction": sum(clips) / passes,
+                "trained_samples": float(len(samples)), "train_seconds": time.perf_counter() - begin,
+                "policy_version": self.version}
 
-    def param_sums(self, names: list[str]) -> dict[str, float]:
-        """Sums of the named parameters in the rollout dtype (compared with the engines' copies)."""
-        state = self.engine.module.state_dict()
-        return {name: float(state[name].detach().to(self.rollout_dtype).float().sum()) for name in names
-                if name in state}
+    def _zero_loss(self) -> Any:
+        """A loss of exactly zero whose backward reaches every parameter (one token through the model)."""
+        torch = self.torch
+        token = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        logits = self.engine(input_ids=token, attention_mask=torch.ones_like(token)).logits
+        return logits.sum() * 0.0
 
-    def weights(self) -> dict[str, Any]:
-        """The policy's weights in the rollout dtype, by HF name (what vLLM's load_weights takes)."""
+    def _gathered(self, params: list[Any]) -> Any:
+        """A context in which ``params`` are whole on this rank. Under ZeRO-3 each rank holds a
+        shard and gathering is a collective: every rank must enter it, in the same order."""
         import deepspeed
 
+        return deepspeed.zero.GatheredParameters(params, enabled=self.config.zero_stage == 3)
+
+    def param_sums(self, names: list[str]) -> dict[str, float]:
+        """Sums of the named parameters in the rollout dtype (compared with the engines' copies).
+        Every rank calls it (a collective under ZeRO-3)."""
+        named = dict(self.engine.module.named_parameters())
+        chosen = [(name, named[name]) for name in names if name in named]
+        with self._gathered([param for _, param in chosen]):
+            return {name: float(param.detach().to(self.rollout_dtype).float().sum()) for name, param in chosen}
+
+    def weights(self) -> dict[str, Any] | None:
+        """The policy's weights in the rollout dtype, by HF name (what vLLM's load_weights takes),
+        on rank 0; None on the others. Every rank calls it (a collective under ZeRO-3)."""
         module = self.engine.module
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=self.config.zero_stage == 3):
+        with self._gathered(list(module.parameters())):
+            if self.rank != 0:
+                return None
             return {name: tensor.detach().to("cpu", self.rollout_dtype).clone()
                     for name, tensor in module.state_dict().items()}

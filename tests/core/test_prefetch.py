@@ -3,7 +3,6 @@ on at several budgets, and with lookup workers that are slow, raise, or answer l
 
 import asyncio
 import random
-import time
 
 import pytest
 import torch
@@ -232,22 +231,6 @@ def test_calibration_learns_from_outcomes_only():
         calibration.observe([0.8, 0.8], accepted=0)  # the first token keeps being rejected
     assert calibration.chance(0, 0.8) < 0.1
     assert calibration.chance(1, 0.8) == 0.8  # position 1 was never tried
-
-
-def test_background_prefetch_lookups_equal_ordinary_ones():
-    from ngramrl.core.prefetch import BackgroundPrefetch
-
-    history, drafter, request, draft = first_draft(seed=8, temperature=0.8, prompt_id="p2")
-    background = BackgroundPrefetch(drafter, PrefetchConfig(budget=8), AcceptanceCalibration())
-    background.dispatch([(request, draft, K)])
-    time.sleep(0.2)  # the "forward"
-    ready = background.collect()
-    assert ready and len(ready) <= 8
-    for (rid, j, b), prefetched in ready.items():
-        assert rid == "r"
-        assert ordinary_draft_after(drafter, request, "p2", draft.tokens[:j] + [b]) == prefetched.tokens
-    background.dispatch([(request, draft, K)])
-    background.collect()  # stopping right away is fine: whatever finished is returned
 
 
 def test_draft_follower_learns_acceptance_from_committed_tokens_verified_or_not():

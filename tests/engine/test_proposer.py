@@ -39,14 +39,14 @@ def make_proposer(monkeypatch, cost, k=4, prefetch="off", **engine):
     runner = FakeRunner()
     proposer.bind_runner(runner)
     looked_up = []
-    lookup = proposer.drafter.lookup
+    step_call = proposer.core.step
 
-    def spy(request, k=None, after=None, at=None):
-        if after is None:  # the step's own lookup, not a prefetched one
+    def spy(handles, tokens, offsets, ks):
+        if any(k > 0 for k in ks):  # the step drafts (not only commits)
             looked_up.append(proposer.stats.steps)
-        return lookup(request, k, after, at)
+        return step_call(handles, tokens, offsets, ks)
 
-    proposer.drafter.lookup = spy
+    proposer.core.step = spy
     return proposer, runner, looked_up
 
 
@@ -92,7 +92,7 @@ def test_probes_back_off_while_drafting_does_not_pay(monkeypatch):
     # 1 or 4 tokens in turn, at intervals doubling from explore_every.
     proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.01, 0.3))
     pattern = [100, 101, 102, 103, 104, 105]
-    proposer.history.add_rollout("p", [1, 2, 3], pattern * 100, epoch=0)
+    proposer.core.add_rollout("p", [1, 2, 3], pattern * 100, epoch=0)
     runner.add("r0", "p", [1, 2, 3])
     verified = {}
     for s in range(300):
@@ -109,7 +109,7 @@ def test_a_probe_on_which_drafting_pays_brings_the_short_probe_interval_back(mon
     stingy, free = FixedStepCost(0.03, 0.001, 0.01, 0.3), FixedStepCost(0.03, 0.001, 0.0, 0.0)
     proposer, runner, _ = make_proposer(monkeypatch, stingy)
     pattern = [100, 101, 102, 103, 104, 105]
-    proposer.history.add_rollout("p", [1, 2, 3], pattern * 100, epoch=0)
+    proposer.core.add_rollout("p", [1, 2, 3], pattern * 100, epoch=0)
     runner.add("r0", "p", [1, 2, 3])
     verified = {}
     for s in range(250):
@@ -127,7 +127,7 @@ def test_a_batch_that_drains_and_comes_back_resumes_its_probe_interval(monkeypat
     # not 16 steps on as after a restart (332).
     proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.01, 0.3))
     pattern = [100, 101, 102, 103, 104, 105]
-    proposer.history.add_rollout("p", [1, 2, 3], pattern * 100, epoch=0)
+    proposer.core.add_rollout("p", [1, 2, 3], pattern * 100, epoch=0)
     for r in range(4):
         runner.add(f"r{r}", "p", [1, 2, 3])
     probes = []
@@ -147,7 +147,7 @@ def test_a_batch_that_drains_and_comes_back_resumes_its_probe_interval(monkeypat
 def test_drafts_that_pay_are_looked_up_every_step(monkeypatch):
     proposer, runner, looked_up = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0))
     pattern = [100, 101, 102, 103, 104, 105]
-    proposer.history.add_rollout("p", [1, 2, 3], pattern * 20, epoch=0)
+    proposer.core.add_rollout("p", [1, 2, 3], pattern * 20, epoch=0)
     runner.add("r0", "p", [1, 2, 3])
     drafts = [step(proposer, runner, [pattern[s % 6]]) for s in range(30)]
     assert sorted(set(looked_up)) == list(range(30))
@@ -186,78 +186,85 @@ def test_background_worker_adds_the_committed_tokens_during_the_forward(monkeypa
     made = {}
     for mode in ("off", "on"):
         proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), prefetch=mode)
-        assert (proposer.prefetch is not None) == (mode == "on")
-        proposer.history.add_rollout("p", [1, 2, 3], pattern * 20, epoch=0)
+        assert proposer.prefetching == (mode == "on")
+        proposer.core.add_rollout("p", [1, 2, 3], pattern * 20, epoch=0)
         runner.add("r0", "p", [1, 2, 3])
         runner.add("r1", "q", [1, 2, 3])  # a new prompt: its own tokens are its only history
         drafts = []
         for s in range(24):
             drafts.append(step(proposer, runner, [pattern[s % 6], [7, 8, 9][s % 3]]))
             time.sleep(0.005)  # the forward, during which the worker runs
-        if proposer.prefetch is not None:
-            proposer.prefetch.collect()
+        proposer.core.collect()
+        if proposer.prefetching and proposer.core.native:
             assert proposer.stats.prefetch_hits > 0
             reported = proposer.stats_dict()
             assert reported["prefetch_dispatched"] >= proposer.stats.prefetch_hits
             assert reported["prefetch_plan_us_median"] > 0
-        assert all(not request.pending for request in proposer.requests.values())  # all in the index
-        assert proposer.history.index_of("q") is not None
+        # every committed token is in the index: the prompt, then r1's sequence (the prompt's tail, 24 tokens)
+        assert proposer.core.index_shape("q")[1] == 3 + 3 + 24
         made[mode] = drafts
     assert made["on"] == made["off"]
 
 
-def test_worker_is_woken_only_before_steps_that_look_up(monkeypatch):
-    """Drafting cannot pay at this batch size: only probe steps look up, and the worker is handed
-    work only on the steps before them. The drafts are those of synchronous drafting."""
+def test_background_work_follows_only_steps_that_look_up(monkeypatch):
+    """Drafting cannot pay at this batch size: only probe steps look up. Their committed tokens
+    enter the index after them (in the background with prefetch on), nothing is prefetched (the
+    step after a probe makes no lookup), and the tokens of the steps between wait for the next
+    probe. The drafts are those of synchronous drafting."""
     made = {}
     for mode in ("off", "on"):
         proposer, runner, looked_up = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.05, 0.0), prefetch=mode)
-        proposer.history.add_rollout("p", [1, 2, 3], [100, 101, 102, 103] * 30, epoch=0)
+        proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 102, 103] * 30, epoch=0)
         for r in range(4):
             runner.add(f"r{r}", "p", [1, 2, 3])
-        woken = []
-        if proposer.prefetch is not None:
-            def spy(*args, dispatch=proposer.prefetch.dispatch, stats=proposer.stats, woken=woken, **kwargs):
-                woken.append(stats.steps)
-                dispatch(*args, **kwargs)
+        calls = {"absorb": [], "prefetch": []}
 
-            proposer.prefetch.dispatch = spy
+        def spying(call, seen, stats=proposer.stats):
+            def spy(*args, **kwargs):
+                seen.append(stats.steps)
+                return call(*args, **kwargs)
+            return spy
+
+        for name in calls:
+            setattr(proposer.core, name, spying(getattr(proposer.core, name), calls[name]))
         made[mode] = [step(proposer, runner, [100 + (s + r) % 4 for r in range(4)]) for s in range(60)]
-        if mode == "on":
-            assert sorted(set(looked_up)) == [0, 16, 48]  # the probes
-            assert woken == [15, 47]
+        assert sorted(set(looked_up)) == [0, 16, 48]  # the probes
+        assert calls == {"absorb": [0, 16, 48], "prefetch": []}
     assert made["on"] == made["off"]
 
 
 def test_tokens_of_steps_without_lookups_are_indexed_at_once_before_the_next_lookup(monkeypatch):
     """Drafting cannot pay: only probe steps (0, 16) look up. In between, committed tokens are kept
     but not indexed; the next lookup step indexes every row's backlog before any row looks up, so
-    each sibling drafts from all the others' tokens; a finished request keeps all of its tokens."""
+    each sibling drafts from all the others' tokens (those of the lookup step itself from the next
+    step on: the lookups of a step read one index); a finished request keeps all of its tokens."""
     proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.05, 0.0))
-    proposer.history.add_rollout("p", [1, 2, 3], [100, 101, 102, 103] * 30, epoch=0)
+    proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 102, 103] * 30, epoch=0)
     runner.add("r0", "p", [1, 2, 3])
     runner.add("r1", "p", [1, 2, 3])
     index_size_at_lookup = []
-    lookup = proposer.drafter.lookup
+    step_call = proposer.core.step
 
-    def spy(request, k=None, after=None, at=None):
-        index_size_at_lookup.append((proposer.stats.steps, request.request_id,
-                                     proposer.history.index_of("p").num_tokens))
-        return lookup(request, k, after, at)
+    def spy(handles, tokens, offsets, ks):
+        drafts = step_call(handles, tokens, offsets, ks)
+        if any(k > 0 for k in ks):
+            index_size_at_lookup.append((proposer.stats.steps, proposer.core.index_shape("p")[1]))
+        return drafts
 
-    proposer.drafter.lookup = spy
+    proposer.core.step = spy
     sizes = []
     for s in range(17):
         step(proposer, runner, [200 + s, 300 + s])
-        sizes.append(proposer.history.index_of("p").num_tokens)
+        sizes.append(proposer.core.index_shape("p")[1])
     assert len(set(sizes[:16])) == 1  # steps 0-15: nothing indexed after step 0's own tokens
     start = sizes[0] - 2  # the index before any token of these requests
-    # Step 16: row 0 sees both rows' tokens of steps 0-15; row 1 also row 0's token of step 16.
-    assert index_size_at_lookup[-2:] == [(16, "r0", start + 32), (16, "r1", start + 33)]
+    # Step 16: both rows see both rows' tokens of steps 0-15; its own tokens enter after its lookups.
+    assert index_size_at_lookup[-1] == (16, start + 32)
+    assert sizes[16] == start + 34
     step(proposer, runner, [217, 317])  # a step without lookup: its tokens wait
     runner.remove("r1")
     step(proposer, runner, [218])
-    finished = {tuple(tokens) for _, _, rollouts in proposer.history.export() for _, tokens in rollouts}
+    finished = {tuple(tokens) for _, _, rollouts in proposer.core.export() for _, tokens in rollouts}
     assert tuple(300 + s for s in range(18)) in finished
 
 
@@ -268,7 +275,7 @@ def test_a_new_proposer_given_the_exported_state_drafts_and_decides_as_the_old_o
 
     old, old_runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0))
     pattern = [100, 101, 102, 103, 104, 105]
-    old.history.add_rollout("p", [1, 2, 3], pattern * 10 + [7, 8], epoch=0)
+    old.core.add_rollout("p", [1, 2, 3], pattern * 10 + [7, 8], epoch=0)
     old_runner.add("r0", "p", [1, 2, 3])
     for s in range(40):  # drafts verified and followed: the calibration learns
         step(old, old_runner, [pattern[s % 6] if s % 7 else 9])
@@ -280,14 +287,15 @@ def test_a_new_proposer_given_the_exported_state_drafts_and_decides_as_the_old_o
     state = json.loads(json.dumps(old.export_state()))
 
     new, new_runner, _ = make_proposer(monkeypatch, StepCostModel())
-    new.history.add_rollout("other", [4, 5], [6, 7, 8], epoch=0)  # e.g. an untimed warm-up's rollout
-    new.history.add_rollout("p", [1, 2, 3], [9, 9, 9], epoch=5)
+    new.core.add_rollout("other", [4, 5], [6, 7, 8], epoch=0)  # e.g. an untimed warm-up's rollout
+    new.core.add_rollout("p", [1, 2, 3], [9, 9, 9], epoch=5)
     assert new.restore_state(state) == 1  # in place of what it had
-    assert new.history.export() == old.history.export()
+    assert new.core.export() == old.core.export()
     assert new.cost.coefficients == pytest.approx(old.cost.coefficients)
-    assert old.calibration._table  # something was learned
-    cells = [(position, estimate / 10) for position in range(8) for estimate in range(10)]
-    assert [new.calibration.chance(*c) for c in cells] == [old.calibration.chance(*c) for c in cells]
+    assert old.calibration_state()  # something was learned
+    probs = [estimate / 10 for estimate in range(10)] * 8  # every decile at positions 0-79
+    assert list(new.core.chances(probs, [0, len(probs)])) == list(old.core.chances(probs, [0, len(probs)]))
+    assert new.calibration_state() == old.calibration_state()
     old._restart_back_off(old.stats.steps)  # not carried: a new engine looks up from its first step
     for proposer, runner in ((old, old_runner), (new, new_runner)):
         proposer.cost = FixedStepCost(0.03, 0.001, 0.0, 0.0)

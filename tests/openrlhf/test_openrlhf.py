@@ -124,6 +124,6 @@ def test_unsupported_versions_are_named(monkeypatch):
     import ngramrl.openrlhf as integration
 
     monkeypatch.setattr(integration, "installed_version", lambda name: {"openrlhf": "0.9.0"}.get(name, "0.32.0"))
-    with pytest.raises(integration.UnsupportedVersion, match=r"supports OpenRLHF 0\.11\.x with vLLM 0\.32\.x, but "
-                                                              r"openrlhf 0\.9\.0 is installed"):
+    with pytest.raises(integration.UnsupportedVersion,
+                       match=r"OpenRLHF 0\.11\.x with vLLM 0\.29\.x to 0\.33\.x, but openrlhf 0\.9\.0 is installed"):
         integration.check_versions()

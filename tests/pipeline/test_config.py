@@ -64,3 +64,19 @@ def test_cli_rejects_bad_config_before_ray(tmp_path, capsys):
     assert main(["train", "--config", str(path)]) == 2
     assert "pool: shards must be >= 1, got 0" in capsys.readouterr().err
     assert main(["train", "--check", "--config", os.path.join(ROOT, "ray_configs", "cpu_default.yaml")]) == 0
+
+
+def test_a_reasoning_gym_workload_names_a_task_that_exists():
+    from ngramrl.pipeline.config import ConfigError, load_config
+
+    config = load_config(None, ["workload.name=reasoning_gym", "workload.task=products",
+                                "workload.task_settings={min_terms: 2, max_terms: 2}"])
+    assert config.workload.task_settings == {"min_terms": 2, "max_terms": 2}
+    for override, message in (("workload.task=no_such_task", "is not a reasoning-gym dataset"),
+                              ("workload.task_settings={min_digitz: 1}", "do not suit products")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, ["workload.name=reasoning_gym", "workload.task=products", override])
+    with pytest.raises(ConfigError, match="task is required"):
+        load_config(None, ["workload.name=reasoning_gym"])
+    with pytest.raises(ConfigError, match="task is for the reasoning_gym workload"):
+        load_config(None, ["workload.task=products"])

@@ -67,3 +67,19 @@ def test_spider_reward_never_writes(spider_dir):
 def test_unknown_workload_is_an_error():
     with pytest.raises(ValueError, match="no reward for workload"):
         reward("poetry", "text", {})
+
+
+def test_reasoning_gym_reward_uses_the_tasks_own_checker():
+    pytest.importorskip("reasoning_gym")
+    from ngramrl.data.workloads import reasoning_gym_tasks
+    from ngramrl.pipeline.rewards import final_answer, reasoning_gym_reward
+
+    settings = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    task = reasoning_gym_tasks("products", 4, seed=1, settings=settings)[0]
+    gold = str(task.reference["entry"]["answer"])
+    assert reasoning_gym_reward(f"Let me think.\nAnswer: {gold}", task.reference) == 1.0
+    assert reasoning_gym_reward(f"3 * 3 = 9, so here it is {gold}.", task.reference) == 1.0  # the last number
+    assert reasoning_gym_reward(f"Answer: {int(gold) + 1}", task.reference) < 1.0
+    assert reasoning_gym_reward("", task.reference) == 0.0
+    assert final_answer("Answer: 12\nAnswer: 13.") == "13"
+    assert final_answer("a line\nthe last line") == "the last line"

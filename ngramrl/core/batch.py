@@ -1,0 +1,512 @@
+"""The batched drafting core: one call per engine step for all rows, plain arrays in and out.
+
+Every consumer (the in-engine proposer, a drafter pool shard, the replay benchmark) drives
+drafting through this interface. Two implementations give identical results:
+
+- ``ReferenceCore`` (here): the pure-Python reference over ``RolloutHistory``, ``NgramDrafter``
+  and the outcome model, one row after the other;
+- ``NativeCore`` (``ngramrl._native``, C++): the same state machine in a compact layout, with
+  the rows of a step spread over threads and the index inserts and the prefetch run in the
+  background while the target's forward runs.
+
+``make_core`` picks the native one when the extension is importable and falls back to the
+reference otherwise (with one logged line).
+
+What a step means (both implementations)
+----------------------------------------
+A request is an integer handle from ``start``. ``step(handles, tokens, offsets, ks)`` gives row
+i the committed tokens ``tokens[offsets[i]:offsets[i + 1]]`` and room for ``ks[i]`` draft tokens:
+
+1. if any row drafts (k > 0), every row's tokens still pending from earlier steps enter its
+   prompt's index, row after row in this step's order;
+2. each row with k > 0 commits its tokens and drafts; a row with k <= 0 only keeps its tokens
+   (they wait for the next step that drafts: inserting a backlog at once is cheaper).
+
+The lookups of one step read the index as it stands after 1, so they are independent of each
+other (rows of the same prompt included) and run in parallel. The step's own committed tokens
+enter the index at ``absorb`` (the native core does it in the background) or at 1 of the next
+step, always in row order, so the index, and every draft made from it, is a pure function of the
+calls made, never of timing.
+
+``prefetch`` (after ``absorb``) predicts the likeliest verification outcomes (j, b) of the drafts
+just sent, spends the budget on them (``allocate``) and looks up the next draft of each: exactly
+the lookup the next ``step`` makes if the row commits ``draft[:j] + [b]``; the prefetch reads
+without changing anything. That step takes the prefetched draft (``DraftBatch.prefetched``) when
+the indexes it read are unchanged since (no request started or finished, no rollout added),
+otherwise it looks up again, so a prefetched draft is always the synchronous one.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
+from ngramrl.core.cost import choose_draft_lengths, probe_lengths
+from ngramrl.core.drafter import EMPTY, Draft, NgramDrafter, RequestState
+from ngramrl.core.estimate import MatchState, advance
+from ngramrl.core.history import RolloutHistory
+from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival, allocate, predict_for
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("none", "prompt", "global")  # DraftBatch.source codes
+
+
+@dataclass
+class DraftBatch:
+    """One draft per row, flat: row i is ``tokens[offsets[i]:offsets[i + 1]]``."""
+
+    tokens: np.ndarray      # int32
+    offsets: np.ndarray     # int64, rows + 1
+    probs: np.ndarray       # float64, per token: the drafter's estimate that it follows
+    matched: np.ndarray     # int32, per row: the context length the draft was matched on
+    source: np.ndarray      # int8, per row: index into SOURCES
+    prefetched: np.ndarray  # bool, per row: the draft came from the prefetch
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def draft(self, row: int) -> Draft:
+        begin, end = int(self.offsets[row]), int(self.offsets[row + 1])
+        return Draft(self.tokens[begin:end].tolist(), self.probs[begin:end].tolist(), int(self.matched[row]),
+                     SOURCES[int(self.source[row])])
+
+    def drafts(self) -> list[Draft]:
+        """Every row's draft (one conversion of each array, not one per row)."""
+        tokens, probs, offsets = self.tokens.tolist(), self.probs.tolist(), self.offsets.tolist()
+        return [Draft(tokens[offsets[i]:offsets[i + 1]], probs[offsets[i]:offsets[i + 1]], matched, SOURCES[source])
+                for i, (matched, source) in enumerate(zip(self.matched.tolist(), self.source.tolist(), strict=True))]
+
+    def truncated(self, lengths: Any) -> DraftBatch:
+        """Each row's first ``lengths[i]`` tokens (at most all of them)."""
+        sizes = np.diff(self.offsets)
+        keep = np.minimum(np.asarray(lengths, dtype=np.int64), sizes)
+        position = np.arange(len(self.tokens)) - np.repeat(self.offsets[:-1], sizes)
+        mask = position < np.repeat(keep, sizes)
+        offsets = np.zeros(len(keep) + 1, dtype=np.int64)
+        np.cumsum(keep, out=offsets[1:])
+        return DraftBatch(self.tokens[mask], offsets, self.probs[mask], self.matched, self.source, self.prefetched)
+
+    @classmethod
+    def from_drafts(cls, drafts: list[Draft], prefetched: list[bool] | None = None) -> DraftBatch:
+        lengths = np.fromiter((len(d.tokens) for d in drafts), dtype=np.int64, count=len(drafts))
+        offsets = np.zeros(len(drafts) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls(np.fromiter((t for d in drafts for t in d.tokens), dtype=np.int32, count=int(offsets[-1])),
+                   offsets,
+                   np.fromiter((p for d in drafts for p in d.probs), dtype=np.float64, count=int(offsets[-1])),
+                   np.array([d.matched for d in drafts], dtype=np.int32),
+                   np.array([SOURCES.index(d.source) for d in drafts], dtype=np.int8),
+                   np.array(prefetched or [False] * len(drafts), dtype=bool))
+
+
+@dataclass
+class OutcomeBatch:
+    """The outcomes a prefetch chose, likeliest first within a row, and the next draft of each."""
+
+    rows: np.ndarray         # int32: the row of the prefetch call
+    accepted: np.ndarray     # int32: j
+    token: np.ndarray        # int32: b
+    probability: np.ndarray  # float64
+    drafts: DraftBatch       # one per outcome
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @classmethod
+    def empty(cls) -> OutcomeBatch:
+        none = np.zeros(0, dtype=np.int32)
+        return cls(none, none, none, np.zeros(0), DraftBatch.from_drafts([]))
+
+
+class DraftingCore(Protocol):
+    """What ``ReferenceCore`` and ``NativeCore`` both provide."""
+
+    native: bool
+
+    def add_rollout(self, prompt_id: str, prompt: Any, output: Any, epoch: int) -> None: ...
+    def start(self, prompt_id: str, prompt: Any, output: Any = (), register: bool = False) -> int: ...
+    def finish(self, handle: int, epoch: int | None = None, linger: bool = False) -> None: ...
+    def step(self, handles: Any, tokens: Any, offsets: Any, ks: Any) -> DraftBatch: ...
+    def absorb(self, handles: Any, now: bool = False) -> None: ...
+    def prefetch(self, handles: Any, tokens: Any, offsets: Any, probs: Any, k: int, absorb: Any = ()) -> None: ...
+    def collect(self, cancel: bool = False) -> OutcomeBatch: ...
+    def observe(self, probs: Any, offsets: Any, accepted: Any) -> None: ...
+    def chances(self, probs: Any, offsets: Any) -> np.ndarray: ...
+
+
+def as_rows(handles: Any, tokens: Any, offsets: Any, ks: Any | None = None) -> tuple[np.ndarray, ...]:
+    """The step's arrays as the core reads them, checked (shape, bounds, each handle once)."""
+    handles = np.ascontiguousarray(handles, dtype=np.int64).reshape(-1)
+    tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64).reshape(-1)
+    if len(offsets) != len(handles) + 1:
+        raise ValueError(f"offsets has {len(offsets)} entries; {len(handles)} rows need {len(handles) + 1}")
+    if len(handles) and (offsets[0] != 0 or offsets[-1] != len(tokens) or np.any(np.diff(offsets) < 0)):
+        raise ValueError(f"offsets must rise from 0 to the {len(tokens)} tokens given")
+    if len(np.unique(handles)) != len(handles):
+        raise ValueError("a request handle appears twice in one step")
+    if ks is None:
+        return handles, tokens, offsets
+    ks = np.ascontiguousarray(ks, dtype=np.int32).reshape(-1)
+    if len(ks) != len(handles):
+        raise ValueError(f"ks has {len(ks)} entries for {len(handles)} rows")
+    return handles, tokens, offsets, ks
+
+
+class ReferenceCore:
+    """The batch interface over the pure-Python drafter, one row after the other."""
+
+    native = False
+
+    def __init__(self, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
+                 prefetch: PrefetchConfig | None = None, threads: int = 1, follow: bool = False) -> None:
+        self.history = RolloutHistory(history)
+        self.drafter = NgramDrafter(self.history, drafter)
+        self.prefetch_config = prefetch or PrefetchConfig()
+        self.calibration = AcceptanceCalibration(self.prefetch_config.prior_strength,
+                                                 self.prefetch_config.calibration_decay)
+        self.threads = threads
+        # With ``follow``, every draft made calibrates acceptance by following the committed tokens.
+        self.follower = DraftFollower(self.calibration) if follow else None
+        self._requests: list[RequestState | None] = []
+        self._cache: dict[tuple[int, int, int], tuple[Draft, tuple]] = {}
+        self._outcomes = OutcomeBatch.empty()
+
+    # -- history ---------------------------------------------------------------------------
+
+    def add_rollout(self, prompt_id: str, prompt: Any, output: Any, epoch: int) -> None:
+        self.history.add_rollout(prompt_id, _ints(prompt), _ints(output), int(epoch))
+
+    def export(self) -> list[list]:
+        return self.history.export()
+
+    def restore(self, exported: list[list]) -> None:
+        self.history.restore(exported)
+
+    def clear(self) -> None:
+        self.history.clear()
+
+    @property
+    def stored_tokens(self) -> int:
+        return self.history.stored_tokens
+
+    def __len__(self) -> int:
+        return len(self.history)
+
+    def prompt_ids(self) -> list[str]:
+        return self.history.prompt_ids()
+
+    def rollout_count(self, prompt_id: str) -> int:
+        return self.history.rollout_count(prompt_id)
+
+    def counters(self) -> dict[str, int]:
+        history = self.history
+        return {"layout": history.layout, "rebuilds": history.rebuilds, "global_builds": history.global_builds,
+                "evicted_prompts": history.evicted_prompts}
+
+    def index_prompt(self, prompt_id: str) -> bool:
+        """Build the prompt's index now (it becomes the most recently used); False if unknown."""
+        return self.history.index_of(prompt_id) is not None
+
+    def build_indexes(self) -> None:
+        """Build every index now (between steps), not in the next lookup that needs it."""
+        for prompt_id in self.history.prompt_ids():
+            self.history.index_of(prompt_id)
+        if self.drafter.config.use_global:
+            self.history.global_index()
+
+    def index_shape(self, prompt_id: str | None = None) -> tuple[int, int, int]:
+        """(states, tokens, sequences) of a prompt's index (None: the cross-prompt one); -1s when not built."""
+        if prompt_id is None:
+            index = self.history.built_global_index()
+        else:
+            entry = self.history._prompts.get(prompt_id)  # noqa: SLF001 - read without building or touching
+            index = entry.index if entry is not None else None
+        return (-1, -1, -1) if index is None else (index.num_states, index.num_tokens, index.num_sequences)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def start(self, prompt_id: str, prompt: Any, output: Any = (), register: bool = False) -> int:
+        handle = len(self._requests)
+        self._requests.append(self.drafter.start(str(handle), str(prompt_id), _ints(prompt), _ints(output),
+                                                 register=register))
+        return handle
+
+    def finish(self, handle: int, epoch: int | None = None, linger: bool = False) -> None:
+        request = self._request(handle)
+        self.drafter.finish(request, epoch=epoch, linger=linger)
+        if self.follower is not None:
+            self.follower.drop(int(handle))
+        self._requests[handle] = None
+
+    def known(self, handle: int) -> bool:
+        return self._request(handle).known
+
+    def _request(self, handle: int) -> RequestState:
+        handle = int(handle)
+        request = self._requests[handle] if 0 <= handle < len(self._requests) else None
+        if request is None:
+            raise ValueError(f"request handle {handle} is not a live request of this core")
+        return request
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def step(self, handles: Any, tokens: Any, offsets: Any, ks: Any) -> DraftBatch:
+        handles, tokens, offsets, ks = as_rows(handles, tokens, offsets, ks)
+        requests = [self._request(h) for h in handles]
+        drafter = self.drafter
+        if self.follower is not None:
+            for i, handle in enumerate(handles.tolist()):
+                self.follower.committed(handle, tokens[offsets[i]:offsets[i + 1]].tolist())
+        if np.any(ks > 0):
+            for request in requests:
+                drafter.absorb(request)
+        drafts, hits = [], []
+        for i, request in enumerate(requests):
+            committed = tokens[offsets[i]:offsets[i + 1]].tolist()
+            k = int(ks[i])
+            if k <= 0:
+                drafter.defer(request, committed)
+                drafts.append(EMPTY)
+                hits.append(False)
+                continue
+            drafter.commit(request, committed)
+            ready = self._cache.get((int(handles[i]), len(committed) - 1, committed[-1])) if committed else None
+            if ready is not None and request.known and ready[1] == self._stamp(request):
+                drafts.append(ready[0].truncated(k))
+                hits.append(True)
+            else:
+                drafts.append(drafter.lookup(request, k))
+                hits.append(False)
+        self._cache = {}
+        if self.follower is not None:
+            for handle, k, draft in zip(handles.tolist(), ks.tolist(), drafts, strict=True):
+                if k > 0:
+                    self.follower.offer(handle, draft)
+        return DraftBatch.from_drafts(drafts, hits)
+
+    def followed(self) -> tuple[int, int]:
+        """Drafts followed to their end and their accepted tokens (``follow``)."""
+        return (self.follower.resolved, self.follower.accepted) if self.follower is not None else (0, 0)
+
+    def absorb(self, handles: Any, now: bool = False) -> None:
+        for handle in np.asarray(handles, dtype=np.int64).reshape(-1):
+            self.drafter.absorb(self._request(handle))
+
+    def lookup_context(self, prompt_id: str, prompt: Any, output: Any, k: int) -> Draft:
+        """The draft after ``output`` from the current history, changing nothing but an index
+        build (the drafter pool's stateless lookup)."""
+        prompt, output = _ints(prompt), _ints(output)
+        index = self.history.index_of(prompt_id)
+        if index is None:
+            return EMPTY
+        request = RequestState("lookup", prompt_id, prompt, output, known=True, index=index,
+                               layout=self.history.layout)
+        request.match = advance(index, MatchState(), self.history.sequence(prompt, output))
+        # Not live: nothing of it may enter the index (absorb) nor be looked up by id (index()).
+        return self.drafter.lookup(request, k)
+
+    # -- prefetch --------------------------------------------------------------------------
+
+    def _stamp(self, request: RequestState) -> tuple:
+        """What a lookup of the request read: its prompt's index, the cross-prompt index, the layout."""
+        built = self.history.built_global_index()
+        index = request.index
+        return (self.history.layout, id(index), index.num_tokens if index is not None else -1,
+                id(built), built.num_tokens if built is not None else -1)
+
+    def _readable(self, request: RequestState) -> bool:
+        """Whether the request's state can be read as it is (nothing needs rebuilding or inserting)."""
+        return (request.known and request.index is not None and request.layout == self.history.layout
+                and not request.pending)
+
+    def _caught_up(self, request: RequestState) -> RequestState:
+        """A copy of the request with its match states stepped over its committed tokens, as
+        ``NgramDrafter.catch_up`` does, building nothing."""
+        probe = copy.copy(request)
+        if probe.behind:
+            probe.match = advance(probe.index, probe.match, probe.behind)
+            probe.behind = []
+        behind = probe.global_behind
+        if behind and probe.global_index is not None:
+            probe.global_behind = []
+            built = self.history.built_global_index()
+            if probe.global_index is not built:
+                probe.global_index = None
+            elif len(behind) > self.drafter.config.rematch_tokens:
+                context = probe.prompt + probe.output
+                probe.global_match = advance(built, MatchState(), context[-self.drafter.config.rematch_tokens:])
+            else:
+                probe.global_match = advance(built, probe.global_match, behind)
+        return probe
+
+    def _committed(self, request: RequestState, tokens: list[int]) -> RequestState:
+        """A copy of the request as ``NgramDrafter.commit(tokens)`` leaves it (the request is absorbed)."""
+        probe = copy.copy(request)
+        probe.output = request.output + tokens
+        probe.pending = list(tokens)
+        probe.behind = list(tokens)
+        if request.global_index is not None:
+            probe.global_behind = request.global_behind + tokens
+        return probe
+
+    def prefetch(self, handles: Any, tokens: Any, offsets: Any, probs: Any, k: int, absorb: Any = ()) -> None:
+        """The drafts (per row) just went to verification: predict their likeliest outcomes and
+        look up the next draft of each. Reads only; ``collect`` returns what it chose. ``absorb``:
+        rows to ``absorb`` first (the native core does both in one background job)."""
+        self.absorb(absorb)
+        handles, tokens, offsets = as_rows(handles, tokens, offsets)
+        probs = np.ascontiguousarray(probs, dtype=np.float64).reshape(-1)
+        if len(probs) != len(tokens):
+            raise ValueError(f"{len(probs)} probabilities for {len(tokens)} draft tokens")
+        config = self.prefetch_config
+        needs_global = self.drafter.config.use_global and self.history.built_global_index() is None
+        candidates, drafts = {}, {}
+        for i, handle in enumerate(handles.tolist()):
+            request = self._request(handle)
+            begin, end = int(offsets[i]), int(offsets[i + 1])  # an empty draft: the outcome is the next token
+            if not config.budget or not self._readable(request) or needs_global:
+                continue
+            draft = Draft(tokens[begin:end].tolist(), probs[begin:end].tolist())
+            drafts[handle] = (i, draft)
+            candidates[handle] = predict_for(self.drafter.outcome_sources(self._caught_up(request)), draft,
+                                             self.calibration, config.budget, config.levels)
+        chosen = allocate(candidates, config)
+        rows, accepted, emitted, chance, found = [], [], [], [], []
+        self._cache = {}
+        for handle, outcomes in chosen.items():
+            row, draft = drafts[handle]
+            request = self._request(handle)
+            stamp = self._stamp(request)
+            for outcome in outcomes:
+                after = draft.tokens[:outcome.accepted] + [outcome.token]
+                next_draft = self.drafter.lookup(self._committed(request, after), k)
+                self._cache[(handle, outcome.accepted, outcome.token)] = (next_draft, stamp)
+                rows.append(row)
+                accepted.append(outcome.accepted)
+                emitted.append(outcome.token)
+                chance.append(outcome.probability)
+                found.append(next_draft)
+        self._outcomes = OutcomeBatch(np.array(rows, dtype=np.int32), np.array(accepted, dtype=np.int32),
+                                      np.array(emitted, dtype=np.int32), np.array(chance, dtype=np.float64),
+                                      DraftBatch.from_drafts(found))
+
+    def collect(self, cancel: bool = False) -> OutcomeBatch:
+        """What the last prefetch chose (it ran to the end: the reference has no background)."""
+        return self._outcomes
+
+    # -- calibration -----------------------------------------------------------------------
+
+    def observe(self, probs: Any, offsets: Any, accepted: Any) -> None:
+        """Verified drafts (their estimates, flat) and how many tokens of each were accepted."""
+        probs = np.asarray(probs, dtype=np.float64).tolist()
+        offsets = np.asarray(offsets, dtype=np.int64).tolist()
+        for i, count in enumerate(np.asarray(accepted, dtype=np.int64).tolist()):
+            self.calibration.observe(probs[offsets[i]:offsets[i + 1]], count)
+
+    def chances(self, probs: Any, offsets: Any) -> np.ndarray:
+        """Calibrated acceptance chance of each draft token (flat, like ``probs``)."""
+        probs = np.asarray(probs, dtype=np.float64).tolist()
+        offsets = np.asarray(offsets, dtype=np.int64).tolist()
+        out = []
+        for i in range(len(offsets) - 1):
+            out.extend(self.calibration.chances(probs[offsets[i]:offsets[i + 1]]))
+        return np.array(out, dtype=np.float64)
+
+    def lengths(self, probs: Any, offsets: Any, scale: float, coefficients: tuple[float, float, float, float],
+                min_gain: float, adaptive: bool = True, probe_tokens: int = 0) -> tuple[np.ndarray, float, bool, bool]:
+        """How many leading tokens of each draft to verify (``choose_lengths``) from this core's calibration."""
+        return choose_lengths(self.calibration, probs, offsets, scale, coefficients, min_gain, adaptive, probe_tokens)
+
+    def calibration_state(self) -> list[list[float]]:
+        return self.calibration.state()
+
+    def load_calibration_state(self, state: list[list[float]]) -> None:
+        self.calibration.load_state(state)
+
+    def memory_bytes(self) -> int | None:
+        return None  # Python objects: measured with tracemalloc (ngramrl.bench.run)
+
+    def close(self) -> None:
+        pass
+
+
+class _Coefficients:
+    def __init__(self, coefficients: tuple[float, float, float, float]) -> None:
+        self.coefficients = tuple(coefficients)
+
+
+def choose_lengths(calibration: AcceptanceCalibration, probs: Any, offsets: Any, scale: float,
+                   coefficients: tuple[float, float, float, float], min_gain: float, adaptive: bool = True,
+                   probe_tokens: int = 0) -> tuple[np.ndarray, float, bool, bool]:
+    """How many leading tokens of each draft (flat ``probs``, one row per ``offsets`` pair) to verify:
+    all of them (not ``adaptive``), or what the step-cost model with ``coefficients`` (base, per
+    request, per draft token, per verifying step) says pays off on the calibrated survival chances
+    scaled by ``scale`` (``cost.choose_draft_lengths``); when it keeps nothing and ``probe_tokens``
+    > 0, the batch's ``probe_tokens`` likeliest tokens (``cost.probe_lengths``). Returns the lengths,
+    the accepted tokens the unscaled chances expect of them, whether the cost model kept a token,
+    and whether a probe chose."""
+    probs = np.asarray(probs, dtype=np.float64).tolist()
+    offsets = np.asarray(offsets, dtype=np.int64).tolist()
+    rows = [probs[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+    if not any(rows):
+        return np.zeros(len(rows), dtype=np.int32), 0.0, False, False
+    survival = [Survival(p, calibration) for p in rows]
+    probed = False
+    if not adaptive:
+        chosen, paid = [len(p) for p in rows], True
+    else:
+        chosen = choose_draft_lengths([Survival(p, calibration, scale) for p in rows], _Coefficients(coefficients),
+                                      min_gain)
+        paid = any(chosen)
+        if probe_tokens > 0 and not paid:
+            chosen, probed = probe_lengths(survival, probe_tokens), True
+    expected = sum(sum(s[:n]) for s, n in zip(survival, chosen, strict=True))
+    return np.array(chosen, dtype=np.int32), float(expected), paid, probed
+
+
+def _ints(values: Any) -> list[int]:
+    return np.asarray(values, dtype=np.int64).reshape(-1).tolist() if not isinstance(values, list) else list(values)
+
+
+_native_warned = False
+
+
+def native_module() -> Any | None:
+    """The compiled core, or None (one logged line the first time) when it is not built."""
+    global _native_warned
+    try:
+        if os.environ.get("NGRAMRL_NATIVE") == "0":
+            raise ImportError("NGRAMRL_NATIVE=0")
+        from ngramrl import _native
+    except ImportError as err:
+        if not _native_warned:
+            logger.warning("ngramrl: the native drafting core is not available (%s); using the Python reference", err)
+            _native_warned = True
+        return None
+    return _native
+
+
+def make_core(history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
+              prefetch: PrefetchConfig | None = None, threads: int = 1, native: bool | None = None,
+              follow: bool = False) -> DraftingCore:
+    """The drafting core: native when available (``native=None``), or the one asked for. ``follow``:
+    it calibrates acceptance from every draft it makes by following the committed tokens."""
+    if native is False:
+        return ReferenceCore(history, drafter, prefetch, threads, follow)
+    module = native_module()
+    if module is None:
+        if native:
+            raise RuntimeError("the native drafting core was asked for but ngramrl._native is not built "
+                               "(pip install . builds it; see docs/native.md)")
+        return ReferenceCore(history, drafter, prefetch, threads, follow)
+    from ngramrl.core.native import NativeCore
+
+    return NativeCore(module, history, drafter, prefetch, threads, follow)

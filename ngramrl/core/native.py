@@ -1,0 +1,164 @@
+"""``NativeCore``: the batch interface of ``ngramrl.core.batch`` over the C++ core (``ngramrl._native``).
+
+Inputs are checked here (shapes, offsets, duplicate handles) and converted to contiguous arrays
+once; the C++ side releases the GIL for the work. See docs/native.md for the layout and threads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
+from ngramrl.core.batch import SOURCES, DraftBatch, OutcomeBatch, as_rows
+from ngramrl.core.drafter import Draft
+
+
+class NativeCore:
+    native = True
+
+    def __init__(self, module: Any, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
+                 prefetch: PrefetchConfig | None = None, threads: int = 1, follow: bool = False) -> None:
+        history = history or HistoryConfig()
+        drafter = drafter or DrafterConfig()
+        prefetch = prefetch or PrefetchConfig()
+        if threads < 1:
+            raise ValueError(f"NativeCore threads must be >= 1, got {threads}")
+        self.history_config, self.drafter_config, self.prefetch_config = history, drafter, prefetch
+        self.threads = threads
+        self._core = module.Core(
+            rollouts_per_prompt=history.rollouts_per_prompt, epochs_kept=history.epochs_kept,
+            max_tokens=history.max_tokens, prompt_tail=history.prompt_tail,
+            max_draft=drafter.max_draft, min_confidence=drafter.min_confidence, min_match=drafter.min_match,
+            rematch_tokens=drafter.rematch_tokens, use_global=drafter.use_global,
+            stop_tokens=[int(t) for t in drafter.stop_tokens],
+            budget=prefetch.budget, global_budget=-1 if prefetch.global_budget is None else prefetch.global_budget,
+            min_probability=prefetch.min_probability, levels=prefetch.levels,
+            prior_strength=prefetch.prior_strength, calibration_decay=prefetch.calibration_decay, threads=threads,
+            follow=follow)
+
+    # -- history ---------------------------------------------------------------------------
+
+    def add_rollout(self, prompt_id: str, prompt: Any, output: Any, epoch: int) -> None:
+        self._core.add_rollout(str(prompt_id), _tokens(prompt), _tokens(output), int(epoch))
+
+    def export(self) -> list[list]:
+        return [[prompt_id, list(prompt), [[epoch, list(tokens)] for epoch, tokens in rollouts]]
+                for prompt_id, prompt, rollouts in self._core.export()]
+
+    def restore(self, exported: list[list]) -> None:
+        for prompt_id, prompt, rollouts in exported:
+            self._core.restore_prompt(str(prompt_id), [int(t) for t in prompt],
+                                      [(int(epoch), [int(t) for t in tokens]) for epoch, tokens in rollouts])
+
+    def clear(self) -> None:
+        self._core.clear()
+
+    @property
+    def stored_tokens(self) -> int:
+        return self._core.stored_tokens()
+
+    def __len__(self) -> int:
+        return self._core.num_prompts()
+
+    def prompt_ids(self) -> list[str]:
+        return self._core.prompt_ids()
+
+    def rollout_count(self, prompt_id: str) -> int:
+        return self._core.rollout_count(prompt_id)
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._core.counters())
+
+    def build_indexes(self) -> None:
+        self._core.build_indexes()
+
+    def index_prompt(self, prompt_id: str) -> bool:
+        """Build the prompt's index now (it becomes the most recently used); False if unknown."""
+        return self._core.index_prompt(str(prompt_id))
+
+    def index_shape(self, prompt_id: str | None = None) -> tuple[int, int, int]:
+        """(states, tokens, sequences) of a prompt's index (None: the cross-prompt one); -1s when not built."""
+        return tuple(self._core.index_shape("" if prompt_id is None else str(prompt_id)))
+
+    def followed(self) -> tuple[int, int]:
+        """Drafts followed to their end and their accepted tokens (``follow``)."""
+        return tuple(self._core.followed())
+
+    def timings(self) -> dict[str, int]:
+        """Nanoseconds spent in steps, background inserts, outcome planning and prefetch lookups, and
+        the rows each covered, since the core was made."""
+        return dict(self._core.timings())
+
+    def memory_bytes(self) -> int:
+        """Bytes the core's C++ structures hold (capacities plus the allocator's bookkeeping)."""
+        return self._core.memory_bytes()
+
+    # -- requests --------------------------------------------------------------------------
+
+    def start(self, prompt_id: str, prompt: Any, output: Any = (), register: bool = False) -> int:
+        return self._core.start(str(prompt_id), _tokens(prompt), _tokens(output), bool(register))
+
+    def finish(self, handle: int, epoch: int | None = None, linger: bool = False) -> None:
+        self._core.finish(int(handle), epoch is not None, 0 if epoch is None else int(epoch), bool(linger))
+
+    def known(self, handle: int) -> bool:
+        return self._core.known(int(handle))
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def step(self, handles: Any, tokens: Any, offsets: Any, ks: Any) -> DraftBatch:
+        return DraftBatch(*self._core.step(*as_rows(handles, tokens, offsets, ks)))
+
+    def absorb(self, handles: Any, now: bool = False) -> None:
+        """The rows' committed tokens enter the index: in the background (``now``: before returning)."""
+        self._core.absorb(np.ascontiguousarray(handles, dtype=np.int64).reshape(-1), bool(now))
+
+    def lookup_context(self, prompt_id: str, prompt: Any, output: Any, k: int) -> Draft:
+        tokens, probs, matched, source = self._core.lookup_context(str(prompt_id), _tokens(prompt), _tokens(output),
+                                                                   int(k))
+        return Draft(tokens, probs, matched, SOURCES[source])
+
+    def prefetch(self, handles: Any, tokens: Any, offsets: Any, probs: Any, k: int, absorb: Any = ()) -> None:
+        handles, tokens, offsets = as_rows(handles, tokens, offsets)
+        probs = np.ascontiguousarray(probs, dtype=np.float64).reshape(-1)
+        if len(probs) != len(tokens):
+            raise ValueError(f"{len(probs)} probabilities for {len(tokens)} draft tokens")
+        self._core.prefetch(handles, tokens, offsets, probs, int(k), np.ascontiguousarray(absorb, dtype=np.int64))
+
+    def collect(self, cancel: bool = False) -> OutcomeBatch:
+        """Wait for the background work (``cancel``: stop the prefetch lookups not yet started) and
+        return the outcomes the last prefetch looked up."""
+        rows, accepted, token, probability, tokens, offsets, probs, matched, source = self._core.collect(bool(cancel))
+        drafts = DraftBatch(tokens, offsets, probs, matched, source, np.zeros(len(rows), dtype=bool))
+        return OutcomeBatch(rows, accepted, token, probability, drafts)
+
+    # -- calibration -----------------------------------------------------------------------
+
+    def observe(self, probs: Any, offsets: Any, accepted: Any) -> None:
+        self._core.observe(np.asarray(probs, dtype=np.float64), np.asarray(offsets, dtype=np.int64),
+                           np.asarray(accepted, dtype=np.int64))
+
+    def chances(self, probs: Any, offsets: Any) -> np.ndarray:
+        return self._core.chances(np.asarray(probs, dtype=np.float64), np.asarray(offsets, dtype=np.int64))
+
+    def lengths(self, probs: Any, offsets: Any, scale: float, coefficients: tuple[float, float, float, float],
+                min_gain: float, adaptive: bool = True, probe_tokens: int = 0) -> tuple[np.ndarray, float, bool, bool]:
+        """``ngramrl.core.batch.choose_lengths`` on this core's calibration, in C++."""
+        return self._core.lengths(np.asarray(probs, dtype=np.float64), np.asarray(offsets, dtype=np.int64),
+                                  float(scale), [float(c) for c in coefficients], float(min_gain), bool(adaptive),
+                                  int(probe_tokens))
+
+    def calibration_state(self) -> list[list[float]]:
+        return self._core.calibration_state()
+
+    def load_calibration_state(self, state: list[list[float]]) -> None:
+        self._core.load_calibration_state([[float(v) for v in cell] for cell in state])
+
+    def close(self) -> None:
+        self._core.collect(True)
+
+
+def _tokens(values: Any) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.int32).reshape(-1)

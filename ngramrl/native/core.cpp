@@ -1,0 +1,1137 @@
+// ngramrl._native: the batched drafting core (see ngramrl/core/batch.py for what each call means).
+//
+// A Core owns the rollout history, the live requests (integer handles), the acceptance
+// calibration and the prefetch cache. Every call releases the GIL. Within a step:
+//   - inserts into the prompts' indexes run one prompt per task (rows of one prompt in row order),
+//   - lookups and outcome predictions only read the indexes and run one chunk of rows per task,
+//   - whatever touches shared bookkeeping (the LRU order, lazy rebuilds, the layout counter)
+//     runs on the calling thread in the reference's order.
+// absorb() and prefetch() are queued to a background thread and joined by the next call, so the
+// results never depend on timing.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "automaton.hpp"
+#include "estimate.hpp"
+#include "history.hpp"
+
+namespace py = pybind11;
+
+namespace ngramrl {
+
+// -- threads ----------------------------------------------------------------------------------
+
+class ThreadPool {
+public:
+    explicit ThreadPool(int threads) : threads_(std::max(1, threads)) {
+        for (int i = 1; i < threads_; ++i) workers_.emplace_back([this] { loop(); });
+    }
+    ~ThreadPool() {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            stop_ = true;
+        }
+        start_.notify_all();
+        for (auto& t : workers_) t.join();
+    }
+    int threads() const { return threads_; }
+
+    // fn(task) for task in [0, tasks), spread over the pool and the calling thread.
+    void run(size_t tasks, const std::function<void(size_t)>& fn) {
+        if (threads_ == 1 || tasks <= 1) {
+            for (size_t i = 0; i < tasks; ++i) fn(i);
+            return;
+        }
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            job_ = &fn;
+            total_ = tasks;
+            next_.store(0);
+            active_ = static_cast<int>(workers_.size());
+            ++generation_;
+        }
+        start_.notify_all();
+        work();
+        std::unique_lock<std::mutex> lock(mutex_);
+        done_.wait(lock, [this] { return active_ == 0; });
+        job_ = nullptr;
+    }
+
+private:
+    const int threads_;
+    std::vector<std::thread> workers_;
+    std::mutex mutex_;
+    std::condition_variable start_, done_;
+    const std::function<void(size_t)>* job_ = nullptr;
+    size_t total_ = 0;
+    std::atomic<size_t> next_{0};
+    int active_ = 0;
+    uint64_t generation_ = 0;
+    bool stop_ = false;
+
+    void work() {
+        for (size_t i = next_.fetch_add(1); i < total_; i = next_.fetch_add(1)) (*job_)(i);
+    }
+
+    void loop() {
+        uint64_t seen = 0;
+        while (true) {
+            {
+                std::unique_lock<std::mutex> lock(mutex_);
+                start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+                if (stop_) return;
+                seen = generation_;
+            }
+            work();
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (--active_ == 0) done_.notify_all();
+        }
+    }
+};
+
+class Background {
+public:
+    Background() : thread_([this] { loop(); }) {}
+    ~Background() {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            stop_ = true;
+        }
+        wake_.notify_all();
+        thread_.join();
+    }
+    void submit(std::function<void()> job) {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            queue_.push_back(std::move(job));
+        }
+        wake_.notify_all();
+    }
+    void wait() {
+        std::unique_lock<std::mutex> lock(mutex_);
+        idle_.wait(lock, [this] { return queue_.empty() && !busy_; });
+    }
+
+private:
+    std::mutex mutex_;
+    std::condition_variable wake_, idle_;
+    std::deque<std::function<void()>> queue_;
+    bool busy_ = false, stop_ = false;
+    std::thread thread_;
+
+    void loop() {
+        while (true) {
+            std::function<void()> job;
+            {
+                std::unique_lock<std::mutex> lock(mutex_);
+                wake_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+                if (stop_ && queue_.empty()) return;
+                job = std::move(queue_.front());
+                queue_.pop_front();
+                busy_ = true;
+            }
+            job();
+            std::lock_guard<std::mutex> lock(mutex_);
+            busy_ = false;
+            if (queue_.empty()) idle_.notify_all();
+        }
+    }
+};
+
+// -- requests ---------------------------------------------------------------------------------
+
+struct LookState {
+    Match match;
+    Tokens behind;  // committed, not yet stepped into ``match``
+    Automaton* global = nullptr;
+    uint64_t global_serial = 0;
+    Match global_match;
+    Tokens global_behind;
+};
+
+struct Request {
+    int64_t handle;
+    std::string prompt_id;
+    Tokens prompt, output;
+    bool known = false;
+    Automaton* index = nullptr;  // valid while layout == history.layout
+    uint64_t index_serial = 0;
+    Tokens pending;  // committed, not yet in the index
+    LookState ls;
+    int64_t layout = -1;
+    // The draft being followed (DraftFollower): compared with the tokens committed after it.
+    bool following = false;
+    Tokens follow_tokens;
+    std::vector<double> follow_probs;
+    int32_t follow_matched = 0;
+};
+
+struct DrafterConfig {
+    int32_t max_draft = 16;
+    WalkConfig walk;
+    int32_t rematch_tokens = 32;
+    bool use_global = true;
+};
+
+struct PrefetchConfig {
+    AllocateConfig allocate;
+    int32_t levels = 3;
+};
+
+struct Stamp {
+    int64_t layout;
+    uint64_t index_serial;
+    int64_t index_tokens;
+    uint64_t global_serial;
+    int64_t global_tokens;
+    bool operator==(const Stamp& o) const {
+        return layout == o.layout && index_serial == o.index_serial && index_tokens == o.index_tokens &&
+               global_serial == o.global_serial && global_tokens == o.global_tokens;
+    }
+};
+
+struct CacheKey {
+    int64_t handle;
+    int32_t accepted, token;
+    bool operator==(const CacheKey& o) const { return handle == o.handle && accepted == o.accepted && token == o.token; }
+};
+
+struct CacheKeyHash {
+    size_t operator()(const CacheKey& k) const {
+        uint64_t h = static_cast<uint64_t>(k.handle) * 0x9E3779B97F4A7C15ull;
+        h ^= (static_cast<uint64_t>(static_cast<uint32_t>(k.token)) << 20) ^ static_cast<uint32_t>(k.accepted);
+        return static_cast<size_t>(h * 0xBF58476D1CE4E5B9ull >> 17);
+    }
+};
+
+template <typename T>
+py::array_t<T> to_array(const std::vector<T>& v) {
+    py::array_t<T> out(static_cast<py::ssize_t>(v.size()));
+    if (!v.empty()) std::memcpy(out.mutable_data(), v.data(), v.size() * sizeof(T));
+    return out;
+}
+
+template <typename T>
+std::vector<T> from_array(const py::array_t<T, py::array::c_style | py::array::forcecast>& a) {
+    return std::vector<T>(a.data(), a.data() + a.size());
+}
+
+using I32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using F64 = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+// -- the core ---------------------------------------------------------------------------------
+
+class Core {
+public:
+    Core(const HistoryConfig& history, const DrafterConfig& drafter, const PrefetchConfig& prefetch,
+         double prior_strength, double calibration_decay, int threads, bool follow)
+        : history_(history), config_(drafter), prefetch_(prefetch), follow_(follow),
+          calibration_(prior_strength, calibration_decay),
+          pool_(threads), background_pool_(std::max(1, threads - 1)) {}
+
+    ~Core() { background_.wait(); }
+
+    // ---- history --------------------------------------------------------------------------
+
+    void add_rollout(const std::string& id, const Tokens& prompt, const Tokens& output, int64_t epoch) {
+        join();
+        history_.add_rollout(id, prompt, output, epoch);
+    }
+
+    // RolloutHistory.index_of: the prompt's index built now (touching it); false for an unknown prompt.
+    bool index_prompt(const std::string& id) {
+        join();
+        Prompt* entry = history_.find(id);
+        if (entry == nullptr) return false;
+        history_.indexed(entry);
+        return true;
+    }
+
+    void build_indexes() {
+        join();
+        std::vector<Prompt*> order(history_.lru_order().begin(), history_.lru_order().end());
+        for (Prompt* entry : order) history_.indexed(entry);
+        if (config_.use_global) history_.global_index();
+    }
+
+    py::list export_history() {
+        join();
+        py::list out;
+        for (Prompt* entry : history_.lru_order()) {
+            py::list rollouts;
+            for (const auto& r : entry->rollouts) rollouts.append(py::make_tuple(r.epoch, py::cast(r.tokens)));
+            out.append(py::make_tuple(entry->id, py::cast(entry->prompt), rollouts));
+        }
+        return out;
+    }
+
+    void clear() {
+        join();
+        history_.clear();
+    }
+
+    // RolloutHistory.restore for one exported prompt: registered, then its rollouts in order.
+    void restore_prompt(const std::string& id, const Tokens& prompt, const std::vector<std::pair<int64_t, Tokens>>& rollouts) {
+        join();
+        // The entry is the most recently used: the token cap evicts it only when it is alone, which it never does.
+        Prompt* entry = history_.entry_for(id, prompt);
+        for (const auto& r : rollouts) history_.store(entry, r.first, r.second, true);
+    }
+
+    int64_t stored_tokens() {
+        join();
+        return history_.stored.load();
+    }
+
+    size_t num_prompts() {
+        join();
+        return history_.num_prompts();
+    }
+
+    std::vector<std::string> prompt_ids() {
+        join();
+        std::vector<std::string> out;
+        for (Prompt* entry : history_.lru_order()) out.push_back(entry->id);
+        return out;
+    }
+
+    size_t rollout_count(const std::string& id) {
+        join();
+        Prompt* entry = history_.find(id);
+        return entry ? entry->rollouts.size() : 0;
+    }
+
+    std::map<std::string, int64_t> counters() {
+        join();
+        return {{"layout", history_.layout}, {"rebuilds", history_.rebuilds.load()},
+                {"global_builds", history_.global_builds}, {"evicted_prompts", history_.evicted_prompts}};
+    }
+
+    // (states, tokens, sequences) of a prompt's index ("" : the cross-prompt one), built or not: -1s.
+    std::vector<int64_t> index_shape(const std::string& id) {
+        join();
+        const Automaton* a = nullptr;
+        if (id.empty()) {
+            a = history_.built_global();
+        } else if (Prompt* entry = history_.find(id)) {
+            a = entry->index.get();
+        }
+        if (a == nullptr) return {-1, -1, -1};
+        return {a->num_states(), a->num_tokens, a->num_sequences};
+    }
+
+    size_t memory_bytes() {
+        join();
+        size_t bytes = sizeof(*this) + history_.memory_bytes();
+        for (const auto& r : requests_) {
+            if (!r) continue;
+            bytes += sizeof(Request) + 16 + (r->prompt.capacity() + r->output.capacity() + r->pending.capacity() +
+                                             r->ls.behind.capacity() + r->ls.global_behind.capacity()) * 4;
+        }
+        return bytes + requests_.capacity() * sizeof(void*);
+    }
+
+    // ---- requests -------------------------------------------------------------------------
+
+    int64_t start(const std::string& id, const Tokens& prompt, const Tokens& output, bool register_prompt) {
+        join();
+        auto request = std::make_unique<Request>();
+        request->handle = static_cast<int64_t>(requests_.size());
+        request->prompt_id = id;
+        request->prompt = prompt;
+        request->output = output;
+        request->known = history_.begin_live(id, request->handle, request->output,
+                                             register_prompt ? &request->prompt : nullptr);
+        if (request->known) index(*request);
+        requests_.push_back(std::move(request));
+        return requests_.back()->handle;
+    }
+
+    void finish(int64_t handle, bool has_epoch, int64_t epoch, bool linger) {
+        join();
+        Request& r = get(handle);
+        if (r.known) {
+            absorb_one(r);
+            history_.end_live(r.prompt_id, r.handle, has_epoch, epoch, linger);
+            r.known = false;
+        }
+        requests_[handle].reset();
+    }
+
+    bool known(int64_t handle) {
+        join();
+        return get(handle).known;
+    }
+
+    void check_handles(const std::vector<int64_t>& handles) {
+        join();
+        for (int64_t h : handles) get(h);
+    }
+
+    // ---- a step ---------------------------------------------------------------------------
+
+    void step(const std::vector<int64_t>& handles, const Tokens& tokens, const std::vector<int64_t>& offsets,
+              const std::vector<int32_t>& ks) {
+        join();
+        const int64_t begin = now_ns();
+        const size_t rows = handles.size();
+        std::vector<Request*> reqs(rows);
+        for (size_t i = 0; i < rows; ++i) reqs[i] = &get(handles[i]);
+        if (follow_)
+            for (size_t i = 0; i < rows; ++i)
+                follow_committed(*reqs[i], tokens.data() + offsets[i], static_cast<size_t>(offsets[i + 1] - offsets[i]));
+        bool any_k = false;
+        for (int32_t k : ks) any_k = any_k || k > 0;
+        if (any_k) absorb_rows(reqs, pool_);
+        // Commits, on this thread in row order: they may rebuild an index and touch the LRU order.
+        drafts_.resize(rows);
+        hits_.assign(rows, 0);
+        lookups_.clear();
+        Tokens committed;
+        for (size_t i = 0; i < rows; ++i) {
+            Request& r = *reqs[i];
+            committed.assign(tokens.begin() + offsets[i], tokens.begin() + offsets[i + 1]);
+            drafts_[i].clear();
+            if (ks[i] <= 0) {
+                defer(r, committed);
+                continue;
+            }
+            commit(r, committed);
+            if (!committed.empty() && r.known) {
+                auto it = cache_.find(CacheKey{r.handle, static_cast<int32_t>(committed.size()) - 1, committed.back()});
+                if (it != cache_.end() && outcomes_[it->second].stamp == stamp(r)) {
+                    drafts_[i] = outcomes_[it->second].draft;
+                    truncate(drafts_[i], ks[i]);
+                    hits_[i] = 1;
+                    continue;
+                }
+            }
+            if (r.known) {
+                lookups_.push_back(static_cast<int32_t>(i));
+                // The reference builds a missing cross-prompt index in this row's lookup, before
+                // the next row's commit touches the LRU order (the order the build reads prompts in).
+                if (config_.use_global) history_.global_index();
+            }
+        }
+        cache_.clear();
+        Automaton* global = history_.built_global();
+        // Lookups read the indexes only: any row on any thread.
+        constexpr size_t kChunk = 8;
+        const size_t chunks = (lookups_.size() + kChunk - 1) / kChunk;
+        pool_.run(chunks, [&](size_t c) {
+            const size_t end = std::min(lookups_.size(), (c + 1) * kChunk);
+            for (size_t n = c * kChunk; n < end; ++n) {
+                const int32_t i = lookups_[n];
+                Request& r = *reqs[i];
+                lookup_from(r.index, r, nullptr, 0, r.ls, ks[i], global, drafts_[i]);
+            }
+        });
+        if (follow_)
+            for (size_t i = 0; i < rows; ++i)
+                if (ks[i] > 0 && !drafts_[i].tokens.empty() && !reqs[i]->following) {
+                    Request& r = *reqs[i];
+                    r.following = true;
+                    r.follow_tokens = drafts_[i].tokens;
+                    r.follow_probs = drafts_[i].probs;
+                    r.follow_matched = 0;
+                }
+        timings_["step_ns"] += now_ns() - begin;
+        timings_["step_rows"] += static_cast<int64_t>(rows);
+    }
+
+    std::pair<int64_t, int64_t> followed() {
+        join();
+        return {followed_drafts_, followed_accepted_};
+    }
+
+    std::map<std::string, int64_t> timings() {
+        join();
+        return timings_;
+    }
+
+    py::tuple step_result() const {
+        const size_t rows = drafts_.size();
+        size_t total = 0;
+        for (const auto& d : drafts_) total += d.tokens.size();
+        py::array_t<int32_t> tokens(static_cast<py::ssize_t>(total));
+        py::array_t<int64_t> offsets(static_cast<py::ssize_t>(rows + 1));
+        py::array_t<double> probs(static_cast<py::ssize_t>(total));
+        py::array_t<int32_t> matched(static_cast<py::ssize_t>(rows));
+        py::array_t<int8_t> source(static_cast<py::ssize_t>(rows));
+        py::array_t<bool> hit(static_cast<py::ssize_t>(rows));
+        int32_t* t = tokens.mutable_data();
+        double* p = probs.mutable_data();
+        int64_t* o = offsets.mutable_data();
+        int32_t* m = matched.mutable_data();
+        int8_t* s = source.mutable_data();
+        bool* h = hit.mutable_data();
+        size_t at = 0;
+        o[0] = 0;
+        for (size_t i = 0; i < rows; ++i) {
+            const DraftOut& d = drafts_[i];
+            std::copy(d.tokens.begin(), d.tokens.end(), t + at);
+            std::copy(d.probs.begin(), d.probs.end(), p + at);
+            at += d.tokens.size();
+            o[i + 1] = static_cast<int64_t>(at);
+            m[i] = d.matched;
+            s[i] = d.source;
+            h[i] = hits_[i] != 0;
+        }
+        return py::make_tuple(tokens, offsets, probs, matched, source, hit);
+    }
+
+    // The rows' committed tokens enter their prompts' indexes, in the background.
+    // (Queued behind any background work, without waiting for it: requests_ only grows and
+    // changes on this thread, so the handles can be resolved here.)
+    // ``now``: on the calling thread (and the step's pool) before returning, no background hand-off.
+    void absorb(const std::vector<int64_t>& handles, bool now) {
+        std::vector<Request*> reqs;
+        for (int64_t h : handles) reqs.push_back(&get(h));
+        if (now) {
+            join();
+            const int64_t begin = now_ns();
+            absorb_rows(reqs, pool_);
+            timings_["absorb_ns"] += now_ns() - begin;
+            timings_["absorb_rows"] += static_cast<int64_t>(reqs.size());
+            return;
+        }
+        background_.submit([this, reqs] { timed_absorb(reqs); });
+    }
+
+    void timed_absorb(const std::vector<Request*>& reqs) {
+        const int64_t begin = now_ns();
+        absorb_rows(reqs, background_pool_);
+        timings_["absorb_ns"] += now_ns() - begin;
+        timings_["absorb_rows"] += static_cast<int64_t>(reqs.size());
+    }
+
+    // ---- prefetch -------------------------------------------------------------------------
+
+    // ``absorb_first``: rows whose committed tokens enter the index first (absorb, in the same job:
+    // one wake-up of the background thread).
+    void prefetch(const std::vector<int64_t>& handles, const Tokens& tokens, const std::vector<int64_t>& offsets,
+                  const std::vector<double>& probs, int32_t k, const std::vector<int64_t>& absorb_first) {
+        std::vector<Request*> reqs, first;
+        for (int64_t h : handles) reqs.push_back(&get(h));
+        for (int64_t h : absorb_first) first.push_back(&get(h));
+        background_.submit([this, reqs, first, tokens, offsets, probs, k] {
+            if (!first.empty()) timed_absorb(first);
+            cache_.clear();
+            outcomes_.clear();
+            run_prefetch(reqs, tokens, offsets, probs, k);
+        });
+    }
+
+    // Stop (cancel) or finish the background work; the outcomes the last prefetch looked up.
+    py::tuple collect(bool cancel) {
+        {
+            py::gil_scoped_release release;
+            if (cancel) cancel_.store(true);
+            join();
+            cancel_.store(false);
+        }
+        std::vector<int32_t> rows, accepted, token;
+        std::vector<double> probability;
+        std::vector<int32_t> dtokens, dmatched;
+        std::vector<int64_t> doffsets{0};
+        std::vector<double> dprobs;
+        std::vector<int8_t> dsource;
+        for (const auto& o : outcomes_) {
+            rows.push_back(o.row);
+            accepted.push_back(o.outcome.accepted);
+            token.push_back(o.outcome.token);
+            probability.push_back(o.outcome.probability);
+            dtokens.insert(dtokens.end(), o.draft.tokens.begin(), o.draft.tokens.end());
+            dprobs.insert(dprobs.end(), o.draft.probs.begin(), o.draft.probs.end());
+            doffsets.push_back(static_cast<int64_t>(dtokens.size()));
+            dmatched.push_back(o.draft.matched);
+            dsource.push_back(o.draft.source);
+        }
+        return py::make_tuple(to_array(rows), to_array(accepted), to_array(token), to_array(probability),
+                              to_array(dtokens), to_array(doffsets), to_array(dprobs), to_array(dmatched),
+                              to_array(dsource));
+    }
+
+    // ---- calibration ----------------------------------------------------------------------
+
+    void observe(const std::vector<double>& probs, const std::vector<int64_t>& offsets,
+                 const std::vector<int64_t>& accepted) {
+        join();
+        for (size_t i = 0; i + 1 < offsets.size(); ++i)
+            calibration_.observe(probs.data() + offsets[i], static_cast<int>(offsets[i + 1] - offsets[i]),
+                                 static_cast<int>(accepted[i]));
+    }
+
+    std::vector<double> chances(const std::vector<double>& probs, const std::vector<int64_t>& offsets) {
+        join();
+        std::vector<double> out(probs.size());
+        for (size_t i = 0; i + 1 < offsets.size(); ++i)
+            for (int64_t j = offsets[i]; j < offsets[i + 1]; ++j)
+                out[j] = calibration_.chance(static_cast<int>(j - offsets[i]), probs[j]);
+        return out;
+    }
+
+    LengthChoice lengths(const std::vector<double>& probs, const std::vector<int64_t>& offsets, double scale,
+                         const std::vector<double>& coefficients, double min_gain, bool adaptive, int32_t probe_tokens) {
+        join();
+        LengthChoice out;
+        const double c[4] = {coefficients.at(0), coefficients.at(1), coefficients.at(2), coefficients.at(3)};
+        choose_lengths(calibration_, probs.data(), offsets.data(), offsets.size() - 1, scale, c, min_gain, adaptive,
+                       probe_tokens, out);
+        return out;
+    }
+
+    std::vector<std::vector<double>> calibration_state() {
+        join();
+        return calibration_.state();
+    }
+
+    void load_calibration_state(const std::vector<std::vector<double>>& state) {
+        join();
+        calibration_.load_state(state);
+    }
+
+    // ---- the pool's stateless lookup ------------------------------------------------------
+
+    py::tuple lookup_context(const std::string& id, const Tokens& prompt, const Tokens& output, int32_t k) {
+        DraftOut out;
+        {
+            py::gil_scoped_release release;
+            join();
+            Prompt* entry = history_.find(id);
+            if (entry != nullptr) {
+                Automaton* index = history_.indexed(entry);
+                Request r;
+                r.handle = -1;
+                r.prompt_id = id;
+                r.prompt = prompt;
+                r.output = output;
+                r.known = true;
+                r.index = index;
+                r.index_serial = index->serial;
+                r.layout = history_.layout;
+                Tokens seq;
+                history_.sequence(prompt, output.data(), output.size(), seq);
+                r.ls.match = index->advance(Match{}, seq.data(), seq.size());
+                if (k > 0) {
+                    Automaton* global = config_.use_global ? history_.global_index() : nullptr;
+                    lookup_from(index, r, nullptr, 0, r.ls, k, global, out);
+                }
+            }
+        }
+        return py::make_tuple(py::cast(out.tokens), py::cast(out.probs), out.matched, out.source);
+    }
+
+private:
+    History history_;
+    const DrafterConfig config_;
+    const PrefetchConfig prefetch_;
+    const bool follow_;  // calibrate from every draft by following the committed tokens (DraftFollower)
+    int64_t followed_drafts_ = 0, followed_accepted_ = 0;
+    Calibration calibration_;
+    ThreadPool pool_;             // a step's work: the calling thread and threads - 1 others
+    ThreadPool background_pool_;  // background work: the background thread and threads - 2 others, so
+                                  // that a core stays with the thread that runs the forward meanwhile
+    std::vector<std::unique_ptr<Request>> requests_;
+    std::vector<DraftOut> drafts_;
+    std::vector<uint8_t> hits_;
+    std::vector<int32_t> lookups_;
+    struct Prefetched {
+        int32_t row;
+        OutcomeOut outcome;
+        DraftOut draft;
+        Stamp stamp;  // what its lookup read
+    };
+    std::unordered_map<CacheKey, int32_t, CacheKeyHash> cache_;  // -> index into outcomes_
+    std::vector<Prefetched> outcomes_;
+    std::atomic<bool> cancel_{false};
+    // Time spent in each kind of work since the core was made (ns), and the rows it covered.
+    std::map<std::string, int64_t> timings_{{"step_ns", 0},         {"step_rows", 0},     {"absorb_ns", 0},
+                                            {"absorb_rows", 0},     {"plan_ns", 0},       {"plan_rows", 0},
+                                            {"prefetch_lookup_ns", 0}, {"prefetch_lookups", 0}};
+    Background background_;  // last: joined before the members it uses are destroyed
+
+    void join() { background_.wait(); }
+
+    // DraftFollower.committed
+    void follow_committed(Request& r, const int32_t* tokens, size_t n) {
+        if (!r.following) return;
+        int32_t matched = r.follow_matched;
+        bool resolved = false;
+        for (size_t t = 0; t < n; ++t) {
+            if (tokens[t] != r.follow_tokens[matched]) {
+                resolved = true;
+                break;
+            }
+            matched += 1;
+            if (matched == static_cast<int32_t>(r.follow_tokens.size())) {
+                resolved = true;
+                break;
+            }
+        }
+        if (!resolved) {
+            r.follow_matched = matched;
+            return;
+        }
+        r.following = false;
+        calibration_.observe(r.follow_probs.data(), static_cast<int>(r.follow_probs.size()), matched);
+        followed_drafts_ += 1;
+        followed_accepted_ += matched;
+    }
+
+    static int64_t now_ns() {
+        return std::chrono::duration_cast<std::chrono::nanoseconds>(
+                   std::chrono::steady_clock::now().time_since_epoch()).count();
+    }
+
+    Request& get(int64_t handle) {
+        if (handle < 0 || handle >= static_cast<int64_t>(requests_.size()) || !requests_[handle])
+            throw py::value_error("request handle " + std::to_string(handle) + " is not a live request of this core");
+        return *requests_[handle];
+    }
+
+    static void truncate(DraftOut& d, int32_t k) {
+        if (static_cast<int32_t>(d.tokens.size()) > k) {
+            d.tokens.resize(k);
+            d.probs.resize(k);
+        }
+    }
+
+    Stamp stamp(const Request& r) const {
+        const Automaton* built = history_.built_global();
+        return Stamp{history_.layout, r.index ? r.index->serial : 0, r.index ? r.index->num_tokens : -1,
+                     built ? built->serial : 0, built ? built->num_tokens : -1};
+    }
+
+    // NgramDrafter.index
+    Automaton* index(Request& r) {
+        if (r.layout == history_.layout && r.index) return r.index;
+        r.layout = history_.layout;
+        Prompt* entry = history_.find(r.prompt_id);
+        Automaton* idx = entry ? history_.indexed(entry) : nullptr;
+        LiveSequence* live = entry ? entry->find_live(r.handle) : nullptr;
+        if (idx == nullptr || live == nullptr) {
+            r.known = false;
+            r.index = nullptr;
+            r.index_serial = 0;
+            return nullptr;
+        }
+        if (idx->serial != r.index_serial) {
+            r.index = idx;
+            r.index_serial = idx->serial;
+            const int32_t cursor = live->cursor;
+            r.ls.match = idx->advance(Match{cursor, (*idx)[cursor].length}, r.pending.data(), r.pending.size());
+            r.ls.behind.clear();
+        }
+        return idx;
+    }
+
+    // NgramDrafter.commit (the absorb it starts with has nothing to do after the step's absorb)
+    void commit(Request& r, const Tokens& tokens) {
+        r.output.insert(r.output.end(), tokens.begin(), tokens.end());
+        if (!r.known) return;
+        absorb_one(r);
+        if (index(r) == nullptr) return;
+        r.pending = tokens;
+        r.ls.behind = tokens;
+        if (r.ls.global) r.ls.global_behind.insert(r.ls.global_behind.end(), tokens.begin(), tokens.end());
+    }
+
+    // NgramDrafter.defer
+    void defer(Request& r, const Tokens& tokens) {
+        r.output.insert(r.output.end(), tokens.begin(), tokens.end());
+        if (!r.known) return;
+        r.pending.insert(r.pending.end(), tokens.begin(), tokens.end());
+        r.ls.behind.insert(r.ls.behind.end(), tokens.begin(), tokens.end());
+        if (r.ls.global) r.ls.global_behind.insert(r.ls.global_behind.end(), tokens.begin(), tokens.end());
+    }
+
+    // NgramDrafter.absorb, the part after the entry was found and touched.
+    void absorb_into(Request& r, Prompt* entry) {
+        Tokens tokens;
+        tokens.swap(r.pending);
+        history_.extend_live(entry, r.handle, tokens);
+        if (entry == nullptr) return;
+        Automaton* idx = history_.ensure_index(entry);
+        if (idx->serial == r.index_serial) {
+            LiveSequence* live = entry->find_live(r.handle);
+            if (live != nullptr) {
+                r.ls.match = Match{live->cursor, (*idx)[live->cursor].length};
+                r.ls.behind.clear();
+            }
+        }
+    }
+
+    void absorb_one(Request& r) {
+        if (!r.known || r.pending.empty()) return;
+        Prompt* entry = history_.find(r.prompt_id);
+        if (entry) history_.touch(entry);
+        absorb_into(r, entry);
+    }
+
+    // absorb for many rows: in row order within a prompt, prompts in parallel.
+    void absorb_rows(const std::vector<Request*>& reqs, ThreadPool& pool) {
+        std::vector<std::pair<Prompt*, std::vector<Request*>>> groups;
+        std::unordered_map<Prompt*, size_t> group_of;
+        for (Request* r : reqs) {
+            if (!r->known || r->pending.empty()) continue;
+            Prompt* entry = history_.find(r->prompt_id);
+            if (entry == nullptr) {
+                r->pending.clear();
+                continue;
+            }
+            history_.touch(entry);
+            auto it = group_of.find(entry);
+            if (it == group_of.end()) {
+                group_of.emplace(entry, groups.size());
+                groups.push_back({entry, {r}});
+            } else {
+                groups[it->second].second.push_back(r);
+            }
+        }
+        pool.run(groups.size(), [&](size_t g) {
+            for (Request* r : groups[g].second) absorb_into(*r, groups[g].first);
+        });
+    }
+
+    // The last ``n`` tokens of prompt + output + extra.
+    static void context_tail(const Request& r, const int32_t* extra, size_t n_extra, size_t n, Tokens& out) {
+        out.clear();
+        const size_t total = r.prompt.size() + r.output.size() + n_extra;
+        size_t skip = total > n ? total - n : 0;
+        auto take = [&](const int32_t* data, size_t size) {
+            if (skip >= size) {
+                skip -= size;
+                return;
+            }
+            out.insert(out.end(), data + skip, data + size);
+            skip = 0;
+        };
+        take(r.prompt.data(), r.prompt.size());
+        take(r.output.data(), r.output.size());
+        take(extra, n_extra);
+    }
+
+    // NgramDrafter.catch_up, with ``current_global`` standing for history.global_index()
+    // (built by the caller whenever this may ask for it).
+    void catch_up(const Automaton* index, const Request& base, const int32_t* extra, size_t n_extra, LookState& ls,
+                  Automaton* current_global) const {
+        if (!ls.behind.empty()) {
+            ls.match = index->advance(ls.match, ls.behind.data(), ls.behind.size());
+            ls.behind.clear();
+        }
+        if (!ls.global_behind.empty() && ls.global) {
+            Tokens behind;
+            behind.swap(ls.global_behind);
+            if (current_global == nullptr || ls.global_serial != current_global->serial) {
+                ls.global = nullptr;
+                ls.global_serial = 0;
+            } else if (static_cast<int32_t>(behind.size()) > config_.rematch_tokens) {
+                thread_local Tokens tail;
+                context_tail(base, extra, n_extra, config_.rematch_tokens, tail);
+                ls.global_match = current_global->advance(Match{}, tail.data(), tail.size());
+            } else {
+                ls.global_match = current_global->advance(ls.global_match, behind.data(), behind.size());
+            }
+        }
+    }
+
+    // NgramDrafter.lookup once the request is known and its index current.
+    void lookup_from(const Automaton* index, const Request& base, const int32_t* extra, size_t n_extra, LookState& ls,
+                     int32_t k, Automaton* global, DraftOut& out) const {
+        catch_up(index, base, extra, n_extra, ls, global);
+        walk(*index, ls.match, k, SOURCE_PROMPT, config_.walk, out);
+        if (!config_.use_global) return;
+        if (ls.global_serial != global->serial) {
+            ls.global = global;
+            ls.global_serial = global->serial;
+            thread_local Tokens tail;
+            context_tail(base, extra, n_extra, config_.rematch_tokens, tail);
+            ls.global_match = global->advance(Match{}, tail.data(), tail.size());
+        }
+        if (ls.global_match.matched > out.matched) {
+            thread_local DraftOut other;
+            walk(*global, ls.global_match, k, SOURCE_GLOBAL, config_.walk, other);
+            if (!other.tokens.empty()) std::swap(out, other);
+        }
+    }
+
+    bool readable(const Request& r) const {
+        return r.known && r.index && r.layout == history_.layout && r.pending.empty();
+    }
+
+    // The outcome model for row i of a prefetch (ReferenceCore._caught_up, then predict_for): reads only.
+    void predict_row(const Request& r, const Tokens& tokens, int64_t begin, int64_t end, const std::vector<double>& probs,
+                     Automaton* global, std::vector<OutcomeOut>& out) const {
+        thread_local std::vector<double> chances;
+        LookState probe;
+        probe.match = r.ls.match;
+        if (!r.ls.behind.empty()) probe.match = r.index->advance(probe.match, r.ls.behind.data(), r.ls.behind.size());
+        probe.global = r.ls.global;
+        probe.global_serial = r.ls.global_serial;
+        probe.global_match = r.ls.global_match;
+        if (!r.ls.global_behind.empty() && r.ls.global) {
+            if (global == nullptr || r.ls.global_serial != global->serial) {
+                probe.global = nullptr;
+            } else if (static_cast<int32_t>(r.ls.global_behind.size()) > config_.rematch_tokens) {
+                Tokens tail;
+                context_tail(r, nullptr, 0, config_.rematch_tokens, tail);
+                probe.global_match = global->advance(Match{}, tail.data(), tail.size());
+            } else {
+                probe.global_match = global->advance(probe.global_match, r.ls.global_behind.data(),
+                                                     r.ls.global_behind.size());
+            }
+        }
+        SourceMatch sources[2] = {{r.index, probe.match}, {nullptr, Match{}}};
+        size_t num_sources = 1;
+        if (config_.use_global && probe.global && global && probe.global_serial == global->serial)
+            sources[num_sources++] = SourceMatch{global, probe.global_match};
+        const int32_t length = static_cast<int32_t>(end - begin);
+        chances.resize(length);
+        for (int32_t j = 0; j < length; ++j) chances[j] = calibration_.chance(j, probs[begin + j]);
+        predict_outcomes(sources, num_sources, tokens.data() + begin, length, chances.data(), prefetch_.allocate.budget,
+                         prefetch_.levels, out);
+    }
+
+    // The draft the next step makes for the request if it commits draft[:j] + [b] (ReferenceCore._committed).
+    void lookup_outcome(const Request& r, const Tokens& tokens, int64_t begin, const OutcomeOut& outcome, int32_t k,
+                        Automaton* global, DraftOut& out) const {
+        Tokens after(tokens.begin() + begin, tokens.begin() + begin + outcome.accepted);
+        after.push_back(outcome.token);
+        LookState probe = r.ls;
+        probe.behind = after;
+        if (r.ls.global) probe.global_behind.insert(probe.global_behind.end(), after.begin(), after.end());
+        lookup_from(r.index, r, after.data(), after.size(), probe, k, global, out);
+    }
+
+    void run_prefetch(const std::vector<Request*>& reqs, const Tokens& tokens, const std::vector<int64_t>& offsets,
+                      const std::vector<double>& probs, int32_t k) {
+        const AllocateConfig& alloc = prefetch_.allocate;
+        Automaton* global = history_.built_global();
+        if (alloc.budget <= 0 || (config_.use_global && global == nullptr)) return;
+        std::vector<int32_t> rows;
+        for (size_t i = 0; i < reqs.size(); ++i)
+            if (readable(*reqs[i])) rows.push_back(static_cast<int32_t>(i));  // empty drafts too: b is the next token
+        std::vector<std::vector<Prefetched>> found(rows.size());
+        std::atomic<int64_t> plan_ns{0}, lookup_ns{0}, planned{0};
+        if (alloc.global_budget < 0) {
+            // Budgets per request only: each row is planned and looked up on its own, so a cancel (the
+            // next step is here) keeps every lookup made so far, and waits for one lookup at most.
+            background_pool_.run(rows.size(), [&](size_t n) {
+                if (cancel_.load(std::memory_order_relaxed)) return;
+                const int64_t t0 = now_ns();
+                const Request& r = *reqs[rows[n]];
+                std::vector<std::vector<OutcomeOut>> candidates(1), chosen;
+                predict_row(r, tokens, offsets[rows[n]], offsets[rows[n] + 1], probs, global, candidates[0]);
+                allocate(candidates, {r.handle}, alloc, chosen);
+                const int64_t t1 = now_ns();
+                for (const auto& o : chosen[0]) {
+                    if (cancel_.load(std::memory_order_relaxed)) break;
+                    found[n].push_back(Prefetched{rows[n], o, DraftOut{}, Stamp{}});
+                    lookup_outcome(r, tokens, offsets[rows[n]], o, k, global, found[n].back().draft);
+                }
+                plan_ns += t1 - t0;
+                lookup_ns += now_ns() - t1;
+                planned += 1;
+            });
+        } else {
+            // A budget across the batch: every row's outcomes first, then the allocation, then lookups.
+            std::vector<std::vector<OutcomeOut>> candidates(rows.size());
+            std::vector<int64_t> keys(rows.size());
+            std::atomic<bool> cancelled{false};
+            const int64_t t0 = now_ns();
+            background_pool_.run(rows.size(), [&](size_t n) {
+                if (cancel_.load(std::memory_order_relaxed)) {
+                    cancelled.store(true, std::memory_order_relaxed);
+                    return;
+                }
+                const Request& r = *reqs[rows[n]];
+                keys[n] = r.handle;
+                predict_row(r, tokens, offsets[rows[n]], offsets[rows[n] + 1], probs, global, candidates[n]);
+            });
+            if (cancelled.load()) return;  // a budget allocated over part of the batch is not the reference's
+            std::vector<std::vector<OutcomeOut>> chosen;
+            allocate(candidates, keys, alloc, chosen);
+            const int64_t t1 = now_ns();
+            plan_ns += t1 - t0;
+            planned += static_cast<int64_t>(rows.size());
+            struct Job {
+                size_t n;
+                OutcomeOut outcome;
+            };
+            std::vector<Job> jobs;
+            for (size_t n = 0; n < rows.size(); ++n)
+                for (const auto& o : chosen[n]) jobs.push_back(Job{n, o});
+            std::vector<DraftOut> drafts(jobs.size());
+            std::vector<uint8_t> done(jobs.size(), 0);
+            background_pool_.run(jobs.size(), [&](size_t jn) {
+                if (cancel_.load(std::memory_order_relaxed)) return;
+                const Job& job = jobs[jn];
+                lookup_outcome(*reqs[rows[job.n]], tokens, offsets[rows[job.n]], job.outcome, k, global, drafts[jn]);
+                done[jn] = 1;
+            });
+            for (size_t jn = 0; jn < jobs.size(); ++jn)
+                if (done[jn]) found[jobs[jn].n].push_back(Prefetched{rows[jobs[jn].n], jobs[jn].outcome,
+                                                                     std::move(drafts[jn]), Stamp{}});
+            lookup_ns += now_ns() - t1;
+        }
+        size_t total = 0;
+        for (const auto& f : found) total += f.size();
+        outcomes_.reserve(total);
+        cache_.reserve(total);
+        for (auto& f : found) {
+            for (auto& p : f) {
+                const Request& r = *reqs[p.row];
+                p.stamp = stamp(r);
+                cache_[CacheKey{r.handle, p.outcome.accepted, p.outcome.token}] = static_cast<int32_t>(outcomes_.size());
+                outcomes_.push_back(std::move(p));
+            }
+        }
+        timings_["plan_ns"] += plan_ns.load();
+        timings_["plan_rows"] += planned.load();
+        timings_["prefetch_lookup_ns"] += lookup_ns.load();
+        timings_["prefetch_lookups"] += static_cast<int64_t>(total);
+    }
+};
+
+}  // namespace ngramrl
+
+using namespace ngramrl;
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
+    py::class_<Core>(m, "Core")
+        .def(py::init([](int64_t rollouts_per_prompt, int64_t epochs_kept, int64_t max_tokens, int64_t prompt_tail,
+                         int32_t max_draft, double min_confidence, int32_t min_match, int32_t rematch_tokens,
+                         bool use_global, std::vector<int32_t> stop_tokens, int32_t budget, int64_t global_budget,
+                         double min_probability, int32_t levels, double prior_strength, double calibration_decay,
+                         int threads, bool follow) {
+                 HistoryConfig h{rollouts_per_prompt, epochs_kept, max_tokens, prompt_tail};
+                 DrafterConfig d;
+                 d.max_draft = max_draft;
+                 d.walk.min_confidence = min_confidence;
+                 d.walk.min_match = min_match;
+                 d.walk.stop_tokens = std::move(stop_tokens);
+                 d.rematch_tokens = rematch_tokens;
+                 d.use_global = use_global;
+                 PrefetchConfig p;
+                 p.allocate = AllocateConfig{budget, global_budget, min_probability};
+                 p.levels = levels;
+                 return std::make_unique<Core>(h, d, p, prior_strength, calibration_decay, threads, follow);
+             }),
+             py::arg("rollouts_per_prompt"), py::arg("epochs_kept"), py::arg("max_tokens"), py::arg("prompt_tail"),
+             py::arg("max_draft"), py::arg("min_confidence"), py::arg("min_match"), py::arg("rematch_tokens"),
+             py::arg("use_global"), py::arg("stop_tokens"), py::arg("budget"), py::arg("global_budget"),
+             py::arg("min_probability"), py::arg("levels"), py::arg("prior_strength"), py::arg("calibration_decay"),
+             py::arg("threads"), py::arg("follow"))
+        .def("add_rollout",
+             [](Core& c, const std::string& id, I32 prompt, I32 output, int64_t epoch) {
+                 Tokens p = from_array(prompt), o = from_array(output);
+                 py::gil_scoped_release release;
+                 c.add_rollout(id, p, o, epoch);
+             })
+        .def("build_indexes", &Core::build_indexes, py::call_guard<py::gil_scoped_release>())
+        .def("index_prompt", &Core::index_prompt, py::call_guard<py::gil_scoped_release>())
+        .def("export", &Core::export_history)
+        .def("clear", &Core::clear, py::call_guard<py::gil_scoped_release>())
+        .def("restore_prompt", &Core::restore_prompt, py::call_guard<py::gil_scoped_release>())
+        .def("stored_tokens", &Core::stored_tokens, py::call_guard<py::gil_scoped_release>())
+        .def("num_prompts", &Core::num_prompts, py::call_guard<py::gil_scoped_release>())
+        .def("prompt_ids", &Core::prompt_ids)
+        .def("rollout_count", &Core::rollout_count)
+        .def("counters", &Core::counters)
+        .def("index_shape", &Core::index_shape)
+        .def("timings", &Core::timings)
+        .def("followed", &Core::followed)
+        .def("memory_bytes", &Core::memory_bytes, py::call_guard<py::gil_scoped_release>())
+        .def("start",
+             [](Core& c, const std::string& id, I32 prompt, I32 output, bool register_prompt) {
+                 Tokens p = from_array(prompt), o = from_array(output);
+                 py::gil_scoped_release release;
+                 return c.start(id, p, o, register_prompt);
+             })
+        .def("finish", &Core::finish, py::call_guard<py::gil_scoped_release>())
+        .def("known", &Core::known)
+        .def("step",
+             [](Core& c, I64 handles, I32 tokens, I64 offsets, I32 ks) {
+                 auto h = from_array(handles);
+                 auto t = from_array(tokens);
+                 auto o = from_array(offsets);
+                 auto k = from_array(ks);
+                 {
+                     py::gil_scoped_release release;
+                     c.check_handles(h);
+                 }
+                 {
+                     py::gil_scoped_release release;
+                     c.step(h, t, o, k);
+                 }
+                 return c.step_result();
+             })
+        .def("absorb",
+             [](Core& c, I64 handles, bool now) {
+                 auto h = from_array(handles);
+                 py::gil_scoped_release release;
+                 c.absorb(h, now);
+             })
+        .def("prefetch",
+             [](Core& c, I64 handles, I32 tokens, I64 offsets, F64 probs, int32_t k, I64 absorb_first) {
+                 auto h = from_array(handles);
+                 auto t = from_array(tokens);
+                 auto o = from_array(offsets);
+                 auto p = from_array(probs);
+                 auto a = from_array(absorb_first);
+                 py::gil_scoped_release release;
+                 c.prefetch(h, t, o, p, k, a);
+             })
+        .def("collect", &Core::collect)
+        .def("observe",
+             [](Core& c, F64 probs, I64 offsets, I64 accepted) {
+                 auto p = from_array(probs);
+                 auto o = from_array(offsets);
+                 auto a = from_array(accepted);
+                 py::gil_scoped_release release;
+                 c.observe(p, o, a);
+             })
+        .def("chances",
+             [](Core& c, F64 probs, I64 offsets) {
+                 auto p = from_array(probs);
+                 auto o = from_array(offsets);
+                 std::vector<double> out;
+                 {
+                     py::gil_scoped_release release;
+                     out = c.chances(p, o);
+                 }
+                 return to_array(out);
+             })
+        .def("lengths",
+             [](Core& c, F64 probs, I64 offsets, double scale, std::vector<double> coefficients, double min_gain,
+                bool adaptive, int32_t probe_tokens) {
+                 auto p = from_array(probs);
+                 auto o = from_array(offsets);
+                 if (o.empty()) throw py::value_error("offsets needs rows + 1 entries");
+                 LengthChoice out;
+                 {
+                     py::gil_scoped_release release;
+                     out = c.lengths(p, o, scale, coefficients, min_gain, adaptive, probe_tokens);
+                 }
+                 return py::make_tuple(to_array(out.lengths), out.expected, out.paid, out.probed);
+             })
+        .def("calibration_state", &Core::calibration_state)
+        .def("load_calibration_state", &Core::load_calibration_state)
+        .def("lookup_context",
+             [](Core& c, const std::string& id, I32 prompt, I32 output, int32_t k) {
+                 return c.lookup_context(id, from_array(prompt), from_array(output), k);
+             });
+}

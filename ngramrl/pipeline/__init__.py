@@ -1,0 +1,1 @@
+"""The Ray training pipeline: drafter pool, rollout workers, GRPO trainer, the training loop."""

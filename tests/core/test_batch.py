@@ -1,0 +1,331 @@
+"""The native drafting core and the Python reference give identical drafts, probabilities,
+outcome predictions and history state, on random runs and on the shipped traces.
+
+Each random run (a seed) draws its own configuration (windows, a token cap that evicts,
+cross-prompt index on or off, stop tokens, confidence floors, global budgets) and its own
+sequence of operations: rollouts added, requests started with and without registering their
+prompt, steps with drafting rows and deferring rows, commits that follow the drafts (so prefetched
+drafts are hit) and commits that do not, absorbs, prefetches, finishes with an epoch, without one,
+and lingering. Both cores get the same calls; every result is compared exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+from ngramrl.bench.run import builtin_traces
+from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
+from ngramrl.core.batch import DraftBatch, OutcomeBatch, ReferenceCore, as_rows, make_core
+from ngramrl.core.trace import read_trace
+
+native = pytest.importorskip("ngramrl._native", reason="the native core is not built (pip install . builds it)")
+
+
+def pair(history: HistoryConfig, drafter: DrafterConfig, prefetch: PrefetchConfig, threads: int = 2,
+         follow: bool = False):
+    return (ReferenceCore(history, drafter, prefetch, follow=follow),
+            make_core(history, drafter, prefetch, threads=threads, native=True, follow=follow))
+
+
+def same_drafts(a: DraftBatch, b: DraftBatch, where: str) -> None:
+    for name in ("tokens", "offsets", "probs", "matched", "source", "prefetched"):
+        left, right = getattr(a, name), getattr(b, name)
+        assert left.shape == right.shape and np.array_equal(left, right), f"{where}: {name} differ\n{left}\n{right}"
+
+
+def same_outcomes(a: OutcomeBatch, b: OutcomeBatch, where: str) -> None:
+    for name in ("rows", "accepted", "token", "probability"):
+        left, right = getattr(a, name), getattr(b, name)
+        assert np.array_equal(left, right), f"{where}: outcome {name} differ\n{left}\n{right}"
+    same_drafts(a.drafts, b.drafts, f"{where} (prefetched drafts)")
+
+
+def same_state(ref, nat, where: str) -> None:
+    assert ref.stored_tokens == nat.stored_tokens, where
+    assert ref.prompt_ids() == nat.prompt_ids(), f"{where}: LRU order"
+    assert ref.counters() == nat.counters(), where
+    assert ref.calibration_state() == nat.calibration_state(), where
+    for prompt_id in [None, *ref.prompt_ids()]:
+        assert ref.index_shape(prompt_id) == nat.index_shape(prompt_id), f"{where}: index of {prompt_id}"
+
+
+def random_config(rng: random.Random) -> tuple[HistoryConfig, DrafterConfig, PrefetchConfig]:
+    history = HistoryConfig(rollouts_per_prompt=rng.choice([2, 3, 8, 64]), epochs_kept=rng.choice([1, 2, 4]),
+                            max_tokens=rng.choice([150, 400, 8_000_000]), prompt_tail=rng.choice([0, 2, 8]))
+    drafter = DrafterConfig(max_draft=rng.choice([4, 8, 16]), min_confidence=rng.choice([0.0, 0.0, 0.05, 0.3]),
+                            min_match=rng.choice([1, 1, 2]), rematch_tokens=rng.choice([3, 32]),
+                            use_global=rng.random() < 0.7, stop_tokens=rng.choice([(), (3,)]))
+    prefetch = PrefetchConfig(budget=rng.choice([0, 1, 4, 16]), global_budget=rng.choice([None, None, 5]),
+                              min_probability=rng.choice([0.0, 0.01]), levels=rng.choice([1, 3]))
+    return history, drafter, prefetch
+
+
+def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
+    rng = random.Random(seed)
+    history, drafter, prefetch = random_config(rng)
+    ref, nat = pair(history, drafter, prefetch, threads, follow=rng.random() < 0.5)
+    vocab = rng.choice([6, 12, 40])
+    prompts = {f"p{i}": [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))] for i in range(rng.randrange(1, 6))}
+
+    def sample(n: int, base: list[int] | None = None) -> list[int]:
+        if base and rng.random() < 0.6:  # copy a stretch of an earlier sequence: drafts get accepted
+            start = rng.randrange(len(base))
+            return (base[start:] + [rng.randrange(vocab) for _ in range(n)])[:n]
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    outputs: list[list[int]] = []
+    for epoch in range(rng.randrange(0, 3)):
+        for pid, prompt in prompts.items():
+            for _ in range(rng.randrange(0, 4)):
+                out = sample(rng.randrange(0, 40), rng.choice(outputs) if outputs else None)
+                outputs.append(out)
+                ref.add_rollout(pid, prompt, out, epoch)
+                nat.add_rollout(pid, prompt, out, epoch)
+    same_state(ref, nat, "after the warm rollouts")
+    live: dict[int, tuple[str, list[int]]] = {}  # handle -> (prompt id, its tokens so far)
+    last: dict[int, tuple[list[int], list[float]]] = {}
+    predicted: dict[int, list[list[int]]] = {}  # handle -> commits the last prefetch looked up
+    epoch = 3
+    counts = {"hits": 0, "drafted": 0, "outcomes": 0}
+    for step in range(steps):
+        while len(live) < rng.randrange(1, 9):
+            pid = rng.choice(list(prompts) + ["unseen"])
+            prompt = prompts.get(pid, [1, 2])
+            before = sample(rng.randrange(0, 4))
+            register = rng.random() < 0.5
+            h = ref.start(pid, prompt, before, register)
+            assert nat.start(pid, prompt, before, register) == h
+            assert ref.known(h) == nat.known(h)
+            live[h] = (pid, list(before))
+        handles = list(live)
+        rng.shuffle(handles)
+        committed, ks = [], []
+        for h in handles:
+            draft = last.get(h, ([], []))[0]
+            accept = rng.randrange(len(draft) + 1) if draft else 0
+            if predicted.get(h) and rng.random() < 0.5:
+                tokens = rng.choice(predicted[h])  # an outcome the prefetch looked up
+            elif draft and rng.random() < 0.5:
+                tokens = draft[:accept] + [rng.randrange(vocab)]  # as verification commits
+            else:
+                tokens = sample(rng.randrange(0, 4), outputs[rng.randrange(len(outputs))] if outputs else None)
+            committed.append(tokens)
+            ks.append(0 if rng.random() < 0.2 else rng.choice([1, drafter.max_draft]))
+            live[h][1].extend(tokens)
+        predicted = {}
+        offsets = np.cumsum([0] + [len(t) for t in committed])
+        flat = [t for tokens in committed for t in tokens]
+        where = f"seed {seed} step {step}"
+        a = ref.step(handles, flat, offsets, ks)
+        b = nat.step(handles, flat, offsets, ks)
+        same_drafts(a, b, where)
+        assert a.drafts() == b.drafts() == [a.draft(i) for i in range(len(a))], where
+        cut = [rng.randrange(5) for _ in handles]
+        assert [d.tokens for d in a.truncated(cut).drafts()] == [d.tokens[:n] for d, n in
+                                                                 zip(a.drafts(), cut, strict=True)], where
+        counts["hits"] += int(a.prefetched.sum())
+        counts["drafted"] += int(len(a.tokens))
+        for i, h in enumerate(handles):
+            d = a.draft(i)
+            last[h] = (d.tokens, d.probs)
+        if rng.random() < 0.5:
+            verified = [rng.randrange(len(last[h][0]) + 1) for h in handles]
+            probs = [p for h, n in zip(handles, verified, strict=True) for p in last[h][1][:n]]
+            voff = np.cumsum([0] + verified)
+            accepted = [rng.randrange(n + 1) for n in verified]
+            ref.observe(probs, voff, accepted)
+            nat.observe(probs, voff, accepted)
+            assert np.array_equal(ref.chances(probs, voff), nat.chances(probs, voff)), where
+        if rng.random() < 0.5:  # the cost model's choice of draft lengths, on the calibration both learned
+            coefficients = rng.choice([(0.03, 0.001, 0.0, 0.0), (0.03, 0.001, 0.001, 0.0), (9e-5, 0.003, 0.002, 3e-5),
+                                       (0.02, 0.0002, 1e-5, 0.0)])
+            args = (a.probs, a.offsets, rng.choice([1.0, 0.7]), coefficients, rng.choice([0.0, 0.1]),
+                    rng.random() < 0.8, rng.choice([0, 1, 4]))
+            left, right = ref.lengths(*args), nat.lengths(*args)
+            assert np.array_equal(left[0], right[0]) and left[1:] == right[1:], f"{where}: lengths {left} {right}"
+        if rng.random() < 0.85:
+            absorbed = [h for h in handles if rng.random() < 0.9]
+            now = rng.random() < 0.5
+            ref.absorb(absorbed, now=now)
+            nat.absorb(absorbed, now=now)
+        if rng.random() < 0.8:
+            sent = [h for h in handles if rng.random() < 0.9]
+            cut = {h: rng.randrange(len(last[h][0]) + 1) for h in sent}
+            ptoks = [t for h in sent for t in last[h][0][:cut[h]]]
+            pprobs = [p for h in sent for p in last[h][1][:cut[h]]]
+            poff = np.cumsum([0] + [cut[h] for h in sent])
+            ref.prefetch(sent, ptoks, poff, pprobs, drafter.max_draft)
+            nat.prefetch(sent, ptoks, poff, pprobs, drafter.max_draft)
+            got = nat.collect()
+            same_outcomes(ref.collect(), got, where)
+            counts["outcomes"] += len(got)
+            for row, j, b in zip(got.rows.tolist(), got.accepted.tolist(), got.token.tolist(), strict=True):
+                predicted.setdefault(sent[row], []).append(last[sent[row]][0][:j] + [b])
+        for h in list(live):
+            if rng.random() < 0.12:
+                how = rng.choice(["epoch", "drop", "linger"])
+                args = {"epoch": (epoch, False), "drop": (None, False), "linger": (None, True)}[how]
+                ref.finish(h, *args)
+                nat.finish(h, *args)
+                del live[h]
+                last.pop(h, None)
+                if how == "epoch" and rng.random() < 0.3:
+                    epoch += 1
+        if rng.random() < 0.1:
+            pid = rng.choice(list(prompts))
+            out = sample(rng.randrange(1, 30), rng.choice(outputs) if outputs else None)
+            ref.add_rollout(pid, prompts[pid], out, epoch)
+            nat.add_rollout(pid, prompts[pid], out, epoch)
+        same_state(ref, nat, where)
+        if rng.random() < 0.1:
+            pid = rng.choice(list(prompts) + ["unseen"])
+            context = sample(rng.randrange(0, 10))
+            assert ref.lookup_context(pid, prompts.get(pid, []), context, 8) == \
+                nat.lookup_context(pid, prompts.get(pid, []), context, 8), where
+    assert ref.export() == nat.export()
+    assert ref.followed() == nat.followed()
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_native_equals_reference_on_random_runs(seed):
+    run_random(seed)
+
+
+def test_random_runs_exercise_what_they_compare():
+    """The random runs draft, prefetch and hit prefetched drafts (else they would compare little)."""
+    totals = {"hits": 0, "drafted": 0, "outcomes": 0}
+    for seed in range(30):
+        for key, value in run_random(seed, steps=30).items():
+            totals[key] += value
+    assert totals["drafted"] > 1000 and totals["outcomes"] > 500 and totals["hits"] > 50, totals
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_thread_count_does_not_change_results(threads):
+    for seed in (1, 7, 11):
+        run_random(seed, steps=40, threads=threads)
+
+
+def test_export_restore_round_trip_gives_the_same_drafts():
+    rng = random.Random(5)
+    history, drafter, prefetch = HistoryConfig(prompt_tail=2), DrafterConfig(), PrefetchConfig()
+    ref, nat = pair(history, drafter, prefetch)
+    for epoch in range(3):
+        for p in range(4):
+            out = [rng.randrange(8) for _ in range(30)]
+            ref.add_rollout(f"p{p}", [1, 2, 3], out, epoch)
+            nat.add_rollout(f"p{p}", [1, 2, 3], out, epoch)
+    restored = make_core(history, drafter, prefetch, native=True)
+    restored.restore(ref.export())
+    assert restored.export() == nat.export() == ref.export()
+    drafts = []
+    for core in (nat, restored):
+        h = core.start("p1", [1, 2, 3], [4, 5])
+        drafts.append(core.step([h], [6], [0, 1], [8]).draft(0))
+    assert drafts[0] == drafts[1] and drafts[0].tokens
+
+
+def test_bad_input_is_rejected_with_what_is_wrong():
+    ref, nat = pair(HistoryConfig(), DrafterConfig(), PrefetchConfig())
+    for core in (ref, nat):
+        h = core.start("p", [1, 2], register=True)
+        with pytest.raises(ValueError, match="not a live request"):
+            core.step([h + 7], [1], [0, 1], [4])
+        with pytest.raises(ValueError, match="appears twice"):
+            core.step([h, h], [1, 2], [0, 1, 2], [4, 4])
+        with pytest.raises(ValueError, match="offsets"):
+            core.step([h], [1, 2], [0, 1], [4])
+        core.finish(h)
+        with pytest.raises(ValueError, match="not a live request"):
+            core.finish(h)
+    with pytest.raises(ValueError, match="ks has"):
+        as_rows([1], [1], [0, 1], [1, 2])
+
+
+def test_prefetched_draft_is_the_synchronous_one_and_is_dropped_when_an_index_changes():
+    for core in pair(HistoryConfig(prompt_tail=0), DrafterConfig(use_global=False), PrefetchConfig(budget=4)):
+        core.add_rollout("p", [9], [1, 2, 3, 4, 5, 6], 0)
+        core.add_rollout("p", [9], [1, 2, 7, 8, 5, 6], 0)
+        h = core.start("p", [9], [])
+        first = core.step([h], [1], [0, 1], [4])
+        core.absorb([h])
+        core.prefetch([h], first.tokens, first.offsets, first.probs, 4)
+        outcomes = core.collect()
+        assert len(outcomes) > 0
+        j, b = int(outcomes.accepted[0]), int(outcomes.token[0])
+        committed = first.draft(0).tokens[:j] + [b]
+        twin = core.start("p", [9], [1])  # changes the prompt's index: the prefetched drafts are stale
+        hit = core.step([h, twin], committed, [0, len(committed), len(committed)], [4, 0])
+        assert not hit.prefetched[0]
+        core.finish(twin)
+        core.absorb([h])
+        second = core.step([h], [], [0, 0], [4])  # no tokens: plain lookup to move on
+        core.absorb([h])
+        core.prefetch([h], second.tokens, second.offsets, second.probs, 4)
+        outcomes = core.collect()
+        if not len(outcomes):
+            continue
+        j, b = int(outcomes.accepted[0]), int(outcomes.token[0])
+        committed = second.draft(0).tokens[:j] + [b]
+        hit = core.step([h], committed, [0, len(committed)], [4])
+        assert hit.prefetched[0]
+        assert hit.draft(0).tokens == outcomes.drafts.draft(0).tokens[:4]
+
+
+def trace_run(path: str, batch: int, limit: int, threads: int) -> int:
+    """The last epoch of a trace with ``batch`` requests in flight, each step committing what the
+    draft matched of the rollout plus its next token; both cores side by side."""
+    trace = read_trace(path)
+    stops = tuple(trace.header.eos_token_ids)
+    config = (HistoryConfig(), DrafterConfig(stop_tokens=stops), PrefetchConfig(budget=4))
+    ref, nat = pair(*config, threads=threads)
+    last = max(r.epoch for r in trace.rollouts)
+    for r in trace.rollouts:
+        if r.epoch < last:
+            ref.add_rollout(r.prompt_id, r.prompt, r.output, r.epoch)
+            nat.add_rollout(r.prompt_id, r.prompt, r.output, r.epoch)
+    waiting = [r for r in trace.rollouts if r.epoch == last][:limit]
+    live: dict[int, list] = {}
+    steps = 0
+    while waiting or live:
+        while len(live) < batch and waiting:
+            r = waiting.pop(0)
+            h = ref.start(r.prompt_id, r.prompt, [], True)
+            assert nat.start(r.prompt_id, r.prompt, [], True) == h
+            live[h] = [r, 0, []]
+        handles = list(live)
+        committed = []
+        for h in handles:
+            r, i, draft = live[h]
+            j = 0
+            while j < len(draft) and i + j < len(r.output) and draft[j] == r.output[i + j]:
+                j += 1
+            committed.append(r.output[i:i + j + 1])
+            live[h][1] = i + len(committed[-1])
+        offsets = np.cumsum([0] + [len(c) for c in committed])
+        flat = [t for c in committed for t in c]
+        ks = [8] * len(handles)
+        a, b = ref.step(handles, flat, offsets, ks), nat.step(handles, flat, offsets, ks)
+        same_drafts(a, b, f"{os.path.basename(path)} step {steps}")
+        ref.prefetch(handles, a.tokens, a.offsets, a.probs, 8, absorb=handles)  # inserts first, one job
+        nat.prefetch(handles, b.tokens, b.offsets, b.probs, 8, absorb=handles)
+        same_outcomes(ref.collect(), nat.collect(), f"{os.path.basename(path)} step {steps}")
+        for i, h in enumerate(handles):
+            live[h][2] = a.draft(i).tokens
+            if live[h][1] >= len(live[h][0].output):
+                ref.finish(h, last)
+                nat.finish(h, last)
+                del live[h]
+        steps += 1
+    same_state(ref, nat, path)
+    return steps
+
+
+@pytest.mark.parametrize("path", builtin_traces(), ids=os.path.basename)
+def test_native_equals_reference_on_shipped_traces(path):
+    assert trace_run(path, batch=16, limit=48, threads=2) > 20

@@ -1,0 +1,26 @@
+"""The run report: a PNG and its numbers from a run's step records and its own trace."""
+
+import json
+import os
+
+from ngramrl.bench.run import builtin_traces
+from ngramrl.config import HistoryConfig
+from ngramrl.pipeline.report import REPORT_JSON, write_report
+
+
+def steps(n):
+    return [{"step": i, "reward": 0.1 * i, "reward_std": 0.05, "tokens_per_forward": 1.0 + 0.01 * i,
+             "offered_tokens_per_forward": 1.5 + 0.2 * i, "rollout_seconds": 10.0 - i} for i in range(n)]
+
+
+def test_the_report_replays_the_run_trace_by_epoch(tmp_path):
+    trace = next(t for t in builtin_traces() if "bfcl" in t and "0.6" in t)
+    path, summary = write_report(str(tmp_path), steps(4), trace, 8, HistoryConfig())
+    assert os.path.getsize(path) > 10_000  # a real picture
+    written = json.loads((tmp_path / REPORT_JSON).read_text())
+    methods = {series["method"]: series for series in written["replay"]}
+    assert {"ngramrl", "pld"} <= set(methods)
+    assert set(methods["ngramrl"]["tokens_per_forward"]) == {"1", "2", "3"}  # epoch 0 only builds history
+    assert all(v > 1.0 for v in methods["ngramrl"]["tokens_per_forward"].values())
+    assert summary["replay_ngramrl_over_pld"] > 1.0
+    assert written["steps"][3]["reward"] == summary["steps"][3]["reward"]

@@ -1,0 +1,54 @@
+"""The DeepSpeed trainer with two ranks for real (Ray actors, gloo on CPU): ZeRO-2 and ZeRO-3, a
+step in which one rank's samples carry no signal, weights that stay identical on both ranks."""
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("deepspeed")
+
+from ngramrl.pipeline.config import ModelSection, TrainerSection  # noqa: E402
+from ngramrl.pipeline.trainer import PolicyTrainer  # noqa: E402
+
+WAIT_S = 300  # a rank left waiting in a collective hangs; the test fails instead
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, namespace="ngramrl-test-trainer")
+    yield
+    ray.shutdown()
+
+
+def samples(advantages):
+    return [{"prompt": [1, 5, 9, 12], "output": [20 + i, 30 + i, 40 + i], "advantage": a}
+            for i, a in enumerate(advantages)]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_step_together_when_one_rank_has_no_signal(cluster, tiny_model_dir, stage):
+    trainer_section = TrainerSection(num_actors=2, zero_stage=stage, learning_rate=1e-2, micro_batch_size=2,
+                                     threads=1)
+    remote = ray.remote(num_cpus=0)(PolicyTrainer)
+    ranks = [remote.remote(tiny_model_dir, ModelSection(path=tiny_model_dir), trainer_section, 4, 0, rank, 2)
+             for rank in range(2)]
+    try:
+        master, port = ray.get(ranks[0].rendezvous.remote(), timeout=WAIT_S)
+        ray.get([r.setup.remote(master, port) for r in ranks], timeout=WAIT_S)
+        weights = ray.get([r.weights.remote() for r in ranks], timeout=WAIT_S)
+        assert weights[1] is None
+        names = sorted(weights[0])
+        before = ray.get([r.param_sums.remote(names) for r in ranks], timeout=WAIT_S)[0]  # every rank gathers
+        # rank 0 learns from two non-flat groups; every sample of rank 1 has zero advantage
+        metrics = ray.get([ranks[0].train_step.remote(samples([1.0, -1.0, 0.5, -0.5])),
+                           ranks[1].train_step.remote(samples([0.0, 0.0, 0.0, 0.0]))], timeout=WAIT_S)
+        assert metrics[0]["trained_samples"] == 4 and metrics[1]["trained_samples"] == 0
+        after = ray.get([r.param_sums.remote(names) for r in ranks], timeout=WAIT_S)
+        assert after[0] == after[1]                                  # both ranks hold the same policy
+        assert any(after[0][n] != before[n] for n in before)        # and it moved
+        weights = ray.get([r.weights.remote() for r in ranks], timeout=WAIT_S)
+        full = {n: float(t.float().sum()) for n, t in weights[0].items()}
+        for name, value in after[0].items():  # rank 0 hands out the whole, gathered policy
+            assert full[name] == pytest.approx(value, rel=1e-3, abs=1e-3), name
+    finally:
+        for rank in ranks:
+            ray.kill(rank)
