@@ -10,24 +10,56 @@ from ngramrl.core.trace import TraceError
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from ngramrl.bench.epochs import format_epochs
     from ngramrl.bench.report import format_sweep, format_table, plot_coverage, plot_tokens_per_forward, write_json
-    from ngramrl.bench.run import SWEEP_BUDGETS, BenchConfig, builtin_traces, measure_history_memory, run_bench
+    from ngramrl.bench.run import (
+        SWEEP_BUDGETS,
+        BenchConfig,
+        builtin_traces,
+        measure_history_memory,
+        run_bench,
+        run_by_epoch,
+    )
+    from ngramrl.bench.siblings import SIBLING_METHODS
     from ngramrl.core.trace import read_trace
+    from ngramrl.paths import OutputPaths
 
     traces = args.traces or builtin_traces()
     if not args.traces:
         print(f"no trace given: replaying the {len(traces)} traces shipped with ngramrl", file=sys.stderr)
-    config = BenchConfig(traces=traces, methods=args.method or BenchConfig.__dataclass_fields__["methods"]
-                         .default_factory(), ks=args.k or [16], budget=args.budget,
-                         sweep=SWEEP_BUDGETS if args.sweep or args.coverage_plot else [], tree_width=args.tree_width)
+    default_methods = (list(SIBLING_METHODS) if args.regime == "siblings"
+                       else BenchConfig.__dataclass_fields__["methods"].default_factory())
+    config = BenchConfig(traces=traces, methods=args.method or default_methods, ks=args.k or [16], budget=args.budget,
+                         sweep=SWEEP_BUDGETS if args.sweep or args.coverage_plot else [], regime=args.regime,
+                         by_epoch=args.by_epoch, tree_width=args.tree_width)
+    outputs = OutputPaths(inputs=traces)  # checked now: a bad path must not cost a replay
+    args.json = outputs.file(args.json, "--json")
+    args.plot = outputs.file(args.plot, "--plot")
+    args.coverage_plot = outputs.file(args.coverage_plot, "--coverage-plot")
+    if args.plot or args.coverage_plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot and --coverage-plot need matplotlib (pip install matplotlib)") from None
     results = run_bench(config, progress=not args.no_progress)
+    if config.regime == "siblings":
+        print("regime: siblings (each prompt-epoch's samples concurrent, drafting only from each other)")
     print(format_table(results))
+    extra: dict = {"regime": config.regime}
+    if config.by_epoch:
+        by_epoch = run_by_epoch(config)
+        for path, by_k in by_epoch.items():
+            for k, series in by_k.items():
+                print(f"\n{os.path.basename(path)}, k={k}: tokens per forward by epoch")
+                print(format_epochs(series))
+        extra["by_epoch"] = {path: {str(k): [s.to_json() for s in series] for k, series in by_k.items()}
+                             for path, by_k in by_epoch.items()}
     sweep = format_sweep(results)
     if sweep:
         print()
         print(sweep)
     memory = {}
-    if "ngramrl" in config.methods:
+    if "ngramrl" in config.methods and config.regime == "epochs":
         for path in config.traces:
             memory[path] = measure_history_memory(read_trace(path), config.history)
             print(f"ngramrl history memory, {os.path.basename(path)}: {memory[path]['bytes_per_token']:.0f} bytes "
@@ -38,7 +70,7 @@ def _bench(args: argparse.Namespace) -> int:
                       f"per stored token by its own count, {native.get('malloc_bytes_per_token', float('nan')):.0f} "
                       f"by malloc's")
     if args.json:
-        write_json(args.json, results, {"ngramrl_memory": memory} if memory else None)
+        write_json(args.json, results, {**extra, **({"ngramrl_memory": memory} if memory else {})})
         print(f"wrote {args.json}")
     if args.plot:
         plot_tokens_per_forward(results, args.plot, config.ks[0])
@@ -55,7 +87,9 @@ def _generate(args: argparse.Namespace) -> int:
     from ngramrl.data.generate import GenerationConfig, generate_trace
     from ngramrl.data.models import prepare_smollm2
     from ngramrl.data.workloads import load_tasks
+    from ngramrl.paths import OutputPaths
 
+    args.out = OutputPaths(inputs=[p for p in (args.model, args.spider_dir) if p]).file(args.out, "--out")
     try:
         settings = json.loads(args.task_settings) if args.task_settings else {}
     except ValueError as err:
@@ -74,14 +108,24 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from ngramrl.pipeline.config import load_config
+    from ngramrl.pipeline.rundir import plan_run_dir
 
-    config = load_config(args.config, args.set)  # rejected here, before Ray starts
+    overrides = list(args.set)
+    if args.resume or args.overwrite:
+        overrides.append(f"run.if_exists={'resume' if args.resume else 'overwrite'}")
+    config = load_config(args.config, overrides)  # rejected here, before Ray starts
+    plan = plan_run_dir(config)                     # and every output path
     if args.check:
-        print(f"{args.config or '<defaults>'}: ok")
+        what = {"new": "a new run", "resume": "resumes the run there",
+                "overwrite": f"deletes the earlier run there ({', '.join(plan.found)})"}[plan.mode]
+        print(f"{args.config or '<defaults>'}: ok; run.output_dir {plan.path}: {what}")
         return 0
     from ngramrl.pipeline.run import train
 
-    result = train(config)
+    try:
+        result = train(config)
+    except KeyboardInterrupt:
+        return 130  # what was done is saved (train says what and where)
     print(result.summary())
     return 0
 
@@ -95,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="trace files (.jsonl or .jsonl.gz); default: the traces shipped with ngramrl")
     bench.add_argument("--method", action="append",
                        help="ngramrl, ngramrl-tree, suffix, pld, none, oracle or oracle-prompt (repeatable; all)")
-    bench.add_argument("--k", type=int, action="append", help="most draft tokens per step (repeatable; 16)")
+    bench.add_argument("--k", type=int, action="append", help="most draft tokens per step, 1-256 (repeatable; 16)")
     bench.add_argument("--budget", type=int, default=16, help="prefetch candidates per request per step")
     bench.add_argument("--tree-width", type=int, default=4,
                        help="most root-to-leaf paths of an ngramrl-tree draft (its k tokens are the tree's nodes)")
@@ -104,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", action="store_true",
                        help="also measure prefetch coverage at budgets " + ",".join(map(str, [1, 2, 4, 8, 16, 32, 64])))
     bench.add_argument("--coverage-plot", help="write a PNG of coverage against budget (implies --sweep)")
+    bench.add_argument("--regime", choices=["epochs", "siblings"], default="epochs",
+                       help="epochs: each epoch drafted from the earlier ones (RL revisiting its prompts); siblings: "
+                            "fresh prompts, each prompt-epoch's samples concurrent, drafting only from each other")
+    bench.add_argument("--by-epoch", action="store_true",
+                       help="also print tokens per forward epoch by epoch (ngramrl, suffix, pld): how drafting evolves "
+                            "over an RL run")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 
@@ -128,7 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", help="YAML run configuration (default: the built-in CPU default)")
     tr.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override one setting, e.g. --set run.steps=3 (repeatable)")
-    tr.add_argument("--check", action="store_true", help="only validate the configuration")
+    tr.add_argument("--check", action="store_true", help="only validate the configuration and output paths")
+    existing = tr.add_mutually_exclusive_group()
+    existing.add_argument("--resume", action="store_true",
+                          help="continue the run in run.output_dir (append to its trace and metrics, continue its "
+                               "epochs, restore its drafter pool); same as --set run.if_exists=resume")
+    existing.add_argument("--overwrite", action="store_true",
+                          help="delete the earlier run's files in run.output_dir first; same as "
+                               "--set run.if_exists=overwrite")
     tr.set_defaults(func=_train)
     return parser
 
@@ -141,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     except (TraceError, ValueError, FileNotFoundError) as err:
         print(f"ngramrl {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except TimeoutError as err:
+        print(f"ngramrl {args.command}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

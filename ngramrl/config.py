@@ -2,7 +2,68 @@
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
+import types
+import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+
+def fits(value: Any, hint: Any) -> tuple[bool, Any]:
+    """Whether ``value`` fits a field typed ``hint`` (int, float, bool, str, tuple[int, ...], unions
+    with None), and the value to keep (ints widened to floats, sequences to tuples)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            ok, kept = (value is None, None) if option is type(None) else fits(value, option)
+            if ok:
+                return True, kept
+        return False, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:  # NumPy's integers too (token ids often come from arrays)
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return ok, int(value) if ok and type(value) is not int else value
+    if hint is float:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        return ok, float(value) if ok and type(value) is not float else value
+    if hint is str:
+        return isinstance(value, str), value
+    if typing.get_origin(hint) is tuple:
+        if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+            return False, value
+        item = typing.get_args(hint)[0]
+        kept = []
+        for v in value:
+            ok, v = fits(v, item)
+            if not ok:
+                return False, value
+            kept.append(v)
+        return True, tuple(kept)
+    return True, value
+
+
+def describe(hint: Any) -> str:
+    """A field type in words, for error messages."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join("None" if option is type(None) else describe(option) for option in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {describe(typing.get_args(hint)[0]).removeprefix('an ').removeprefix('a ')}s"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+
+
+def check_types(config: Any) -> None:
+    """Every field of the dataclass ``config`` holds a value of its declared type, or a ValueError
+    naming the class and the field (``DrafterConfig.stop_tokens must be ...``)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        ok, kept = fits(value, hints[f.name])
+        if not ok:
+            raise ValueError(f"{type(config).__name__}.{f.name} must be {describe(hints[f.name])}, got {value!r}")
+        if kept is not value:
+            object.__setattr__(config, f.name, kept)
 
 
 @dataclass
@@ -15,6 +76,7 @@ class HistoryConfig:
     prompt_tail: int = 8               # prompt tokens stored before each rollout, so its first tokens can be drafted
 
     def __post_init__(self) -> None:
+        check_types(self)
         for name in ("rollouts_per_prompt", "epochs_kept", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"HistoryConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -37,6 +99,9 @@ class DrafterConfig:
     stop_tokens: tuple[int, ...] = ()  # end-of-sequence ids: nothing after them is ever accepted
 
     def __post_init__(self) -> None:
+        check_types(self)  # stop_tokens: any sequence of ints, kept as a tuple
+        if any(t < 0 for t in self.stop_tokens):
+            raise ValueError(f"DrafterConfig.stop_tokens must be token ids >= 0, got {self.stop_tokens!r}")
         if self.max_draft < 0:
             raise ValueError(f"DrafterConfig.max_draft must be >= 0, got {self.max_draft}")
         if not 0.0 <= self.min_confidence <= 1.0:
@@ -61,6 +126,7 @@ class PrefetchConfig:
     workers: int = 2                   # lookup threads (the Ray drafter pool replaces them later)
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.budget < 0:
             raise ValueError(f"PrefetchConfig.budget must be >= 0, got {self.budget}")
         if self.global_budget is not None and self.global_budget < 0:
@@ -93,6 +159,7 @@ class EngineConfig:
     #                                    or spare cores); off where it runs on every core (it would slow it)
 
     def __post_init__(self) -> None:
+        check_types(self)
         if isinstance(self.prefetch, bool):  # true / false (older configs; YAML reads a bare on / off so)
             self.prefetch = "on" if self.prefetch else "off"
         if self.prefetch not in PREFETCH_MODES:

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from ngramrl.cli import main
 from ngramrl.core.trace import Rollout, TraceHeader, write_trace
 
@@ -37,6 +39,40 @@ def test_bench_writes_contract_json_table_and_plot(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_siblings_regime_replays_every_prompt_epoch_from_its_siblings_only(tmp_path, capsys):
+    from ngramrl.bench.siblings import make_sibling_method, replay_siblings
+    from ngramrl.core.trace import read_trace
+
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    out = tmp_path / "out.json"
+    assert main(["bench", trace, "--regime", "siblings", "--k", "8", "--json", str(out), "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    assert data["regime"] == "siblings"
+    runs = {r["method"]: r for r in data["runs"]}
+    assert set(runs) == {"ngramrl", "suffix", "pld", "none"}
+    assert all(r["rollouts"] == 12 for r in runs.values())  # epoch 0 too: nothing earlier is drafted from
+    direct = replay_siblings(read_trace(trace), make_sibling_method("ngramrl"), 8)
+    assert runs["ngramrl"]["forwards"] == direct.forwards <= runs["none"]["forwards"]
+    assert "regime: siblings" in capsys.readouterr().out
+    assert main(["bench", trace, "--regime", "siblings", "--method", "oracle", "--no-progress"]) == 2
+    assert "not in the siblings regime" in capsys.readouterr().err
+
+
+def test_bench_by_epoch_splits_the_replay_epoch_by_epoch(tmp_path, capsys):
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    out = tmp_path / "out.json"
+    assert main(["bench", trace, "--by-epoch", "--method", "ngramrl", "--method", "pld", "--json", str(out),
+                 "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    series = {s["method"]: s for s in data["by_epoch"][trace]["16"]}
+    assert set(series) == {"ngramrl", "pld"}
+    whole = {r["method"]: r for r in data["runs"]}
+    for name, one in series.items():
+        assert set(one["forwards"]) == {"1", "2"}  # the epochs replayed
+        assert sum(one["forwards"].values()) == whole[name]["forwards"]
+        assert sum(one["tokens"].values()) == whole[name]["tokens"]
+    assert "tokens per forward by epoch" in capsys.readouterr().out
+
 def test_bench_reports_a_bad_trace_with_file_and_line(tmp_path, capsys):
     good = small_trace(tmp_path / "good.jsonl")
     bad = tmp_path / "bad.jsonl"
@@ -64,3 +100,119 @@ def test_bench_tree_method_takes_its_width(tmp_path, capsys):
     assert run["method"] == "ngramrl-tree" and run["tree_width"] == 2 and run["coverage"] is None
     assert main(["bench", trace, "--method", "ngramrl-tree", "--tree-width", "0", "--no-progress"]) == 2
     assert "--tree-width must be >= 1" in capsys.readouterr().err
+
+
+def no_replay(monkeypatch):
+    """Fail the test if a replay starts: the checks below must come before any work."""
+    import ngramrl.bench.run
+
+    def replay_started(*args, **kwargs):
+        raise AssertionError("the replay ran before the outputs were checked")
+
+    monkeypatch.setattr(ngramrl.bench.run, "run_bench", replay_started)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--json", "{tmp}/no/such/dir/out.json"], "--json '{tmp}/no/such/dir/out.json': the directory"),
+    (["--json", "{tmp}"], "--json '{tmp}' is a directory"),
+    (["--json", "{trace}"], "--json '{trace}' is also an input"),
+    (["--plot", "{trace}"], "--plot '{trace}' is also an input"),
+    (["--coverage-plot", "{tmp}/toy.jsonl.gz"], "is also an input"),
+    (["--json", "{tmp}/a.out", "--plot", "{tmp}/a.out"], "--plot '{tmp}/a.out' is also --json"),
+    (["--json", "{tmp}/toy.jsonl.gz/x.json"], "is a file, not a directory"),
+    (["--k", "100000"], "--k must be between 1 and 256"),
+    (["--k", "0"], "--k must be between 1 and 256"),
+])
+def test_bench_refuses_bad_outputs_and_k_before_replaying(tmp_path, capsys, monkeypatch, flags, message):
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    before = open(trace, "rb").read()
+    no_replay(monkeypatch)
+    fill = lambda text: text.format(tmp=tmp_path, trace=trace)  # noqa: E731
+    assert main(["bench", trace, *map(fill, flags), "--no-progress"]) == 2
+    assert fill(message) in capsys.readouterr().err
+    assert open(trace, "rb").read() == before  # the input is untouched
+
+
+def test_bench_rejects_a_duplicated_rollout_naming_its_line(tmp_path, capsys):
+    path = tmp_path / "dup.jsonl"
+    lines = open(small_trace(tmp_path / "toy.jsonl")).read().splitlines()
+    path.write_text("\n".join(lines[:5] + [lines[4]] + lines[5:]) + "\n")
+    assert main(["bench", str(path), "--method", "none", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:6:" in err and "appears twice (first on line 5)" in err
+
+
+def test_bench_refuses_a_trace_with_nothing_to_replay(tmp_path, capsys):
+    path = tmp_path / "epoch0.jsonl"
+    rollouts = [Rollout("a", 0, s, [1, 2], [10, 11, 2], "stop") for s in range(3)]
+    write_trace(str(path), TraceHeader(vocab_size=100, eos_token_ids=[2]), rollouts)
+    assert main(["bench", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: nothing to replay: it holds epoch 0 only" in err
+
+
+def test_train_check_refuses_an_earlier_run_unless_told_what_to_do(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    args = ["train", "--check", "--set", f"run.output_dir={out}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"run.output_dir '{out}' holds an earlier run (metrics.jsonl); continue it with --resume" in err
+    assert main(args + ["--resume"]) == 0 and "resumes the run there" in capsys.readouterr().out
+    assert main(args + ["--overwrite"]) == 0
+    assert "deletes the earlier run there (metrics.jsonl)" in capsys.readouterr().out
+    assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'  # --check changes nothing
+    assert main(args + ["--set", "run.if_exists=resume"]) == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "{tmp}"], "is a directory, not a YAML config file"),
+    (["--config", "{tmp}/empty.yaml"], "empty.yaml: is empty"),
+    (["--set", "rollout.top_k=-7"], "top_k must be -1 or 0 (no top-k) or >= 1, got -7"),
+    (["--set", "rollout.top_k=[1,"], "is not valid YAML"),
+    (["--set", "run.output_dir={tmp}/empty.yaml"], "output_dir '{tmp}/empty.yaml' is a file"),
+    (["--set", "model.path={tmp}"], "not a model directory (it holds no config.json"),
+    (["--set", "run.output_dir={tmp}/run", "--set", "pool.restore_from={tmp}/run/pool", "--overwrite"],
+     "pool.restore_from '{tmp}/run/pool' lies in run.output_dir"),
+    (["--set", "run.output_dir={tmp}/run/metrics.jsonl/x"], "is a file, not a directory"),
+    (["--set", "run.output_dir={tmp}/run", "--set", "model.path={tmp}/run"], "is also an input"),
+    (["--resume", "--overwrite"], None),
+])
+def test_train_check_catches_each_case_before_anything_starts(tmp_path, capsys, args, message):
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "run" / "pool").mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    (tmp_path / "run" / "config.json").write_text("{}")
+    fill = lambda text: text.replace("{tmp}", str(tmp_path))  # noqa: E731
+    if message is None:  # argparse: not both
+        with pytest.raises(SystemExit):
+            main(["train", "--check", *args])
+        return
+    assert main(["train", "--check", *map(fill, args)]) == 2
+    assert fill(message) in capsys.readouterr().err
+
+
+def test_train_check_accepts_learning_rate_in_exponent_notation(tmp_path):
+    assert main(["train", "--check", "--set", "trainer.learning_rate=1e-6", "--set", f"run.output_dir={tmp_path}"]) == 0
+
+
+def test_generate_checks_its_output_before_loading_anything(tmp_path, capsys, monkeypatch):
+    import ngramrl.data.workloads
+
+    monkeypatch.setattr(ngramrl.data.workloads, "load_tasks", lambda *a, **k: pytest.fail("work started"))
+    assert main(["generate", "--workload", "gsm", "--out", str(tmp_path / "no" / "t.jsonl.gz")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert main(["generate", "--workload", "gsm", "--model", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_train_names_a_garbage_snapshot_before_anything_starts(tmp_path, capsys):
+    pool = tmp_path / "old" / "pool"
+    pool.mkdir(parents=True)
+    for index in range(2):
+        (pool / f"shard-{index}.json.gz").write_bytes(b"\x00garbage")
+    args = ["train", "--set", f"run.output_dir={tmp_path / 'run'}", "--set", f"pool.restore_from={pool}"]
+    assert main(args) == 2  # refused before Ray or a model is touched
+    assert f"{pool / 'shard-0.json.gz'}: not a readable drafter snapshot" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

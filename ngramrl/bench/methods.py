@@ -166,8 +166,9 @@ class NgramRLMethod:
             self._ceiling.add(rollouts)
 
     def start(self, rollout: Rollout) -> None:
+        # register=False: a prompt no earlier epoch has is not known when its rollout starts.
         self.request = self.drafter.start(f"{rollout.prompt_id}/{rollout.epoch}/{rollout.sample}",
-                                          rollout.prompt_id, rollout.prompt)
+                                          rollout.prompt_id, rollout.prompt, register=False)
         self._remaining = len(rollout.output)
         self._outcome = None
         self._prefetched = {}

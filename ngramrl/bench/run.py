@@ -8,10 +8,14 @@ from dataclasses import dataclass, field
 
 from ngramrl.bench.methods import METHOD_NAMES, CoverageTally, NgramRLMethod, NgramRLTreeMethod, make_method
 from ngramrl.bench.replay import ReplayResult, replay
+from ngramrl.bench.siblings import SIBLING_METHODS, make_sibling_method, replay_siblings
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.trace import Trace, read_trace
 
 SWEEP_BUDGETS = [1, 2, 4, 8, 16, 32, 64]
+REGIMES = ("epochs", "siblings")  # earlier epochs of the same prompts / only the siblings in flight
+EPOCH_METHODS = ("ngramrl", "suffix", "pld")  # what --by-epoch follows
+MAX_K = 256  # replay time grows with k (every step walks k tokens); engines verify far fewer
 
 
 def builtin_traces() -> list[str]:
@@ -30,16 +34,28 @@ class BenchConfig:
     tree_width: int = 4  # root-to-leaf paths of ngramrl-tree's drafts
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     history: HistoryConfig = field(default_factory=HistoryConfig)
+    regime: str = "epochs"
+    by_epoch: bool = False  # also tokens per forward epoch by epoch (the epochs regime)
 
     def __post_init__(self) -> None:
         if not self.traces:
             raise ValueError("no trace given")
+        if self.regime not in REGIMES:
+            raise ValueError(f"--regime must be one of {', '.join(REGIMES)}, got {self.regime!r}")
+        allowed = SIBLING_METHODS if self.regime == "siblings" else METHOD_NAMES
         for name in self.methods:
             if name not in METHOD_NAMES:
-                raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHOD_NAMES)}")
+                raise ValueError(f"unknown method {name!r}; choose from {', '.join(allowed)}")
+            if name not in allowed:
+                raise ValueError(f"method {name!r} is not in the {self.regime} regime; choose from "
+                                 f"{', '.join(allowed)}")
+        if self.by_epoch and self.regime != "epochs":
+            raise ValueError("--by-epoch splits the epochs regime's replay; the siblings regime has no earlier epochs")
+        if self.regime == "siblings" and self.sweep:
+            raise ValueError("the prefetch coverage sweep runs in the epochs regime only")
         for k in self.ks:
-            if k < 1:
-                raise ValueError(f"--k must be >= 1, got {k}")
+            if not 1 <= k <= MAX_K:
+                raise ValueError(f"--k must be between 1 and {MAX_K} (the most draft tokens per step), got {k}")
         if self.budget < 1:
             raise ValueError(f"--budget must be >= 1, got {self.budget}")
         if self.tree_width < 1:
@@ -154,10 +170,28 @@ def measure_native_memory(trace: Trace, config: HistoryConfig) -> dict | None:
     return report
 
 
+def load_traces(paths: list[str], regime: str = "epochs") -> list[Trace]:
+    """Read and validate every trace before any work starts; each must have something to replay."""
+    traces = [read_trace(path) for path in paths]
+    for trace in traces:
+        if regime == "siblings":
+            if not any(r.output for r in trace.rollouts):
+                raise ValueError(f"{trace.path}: nothing to replay: no rollout has output tokens")
+            continue
+        if not any(r.epoch >= 1 for r in trace.rollouts):
+            epochs = trace.epochs()
+            held = f"epoch {epochs[0]} only" if epochs else "no rollouts"
+            raise ValueError(f"{trace.path}: nothing to replay: it holds {held}; the replay counts rollouts of "
+                             f"epoch 1 and later, drafted from the epochs before them (trace-format.md)")
+    return traces
+
+
 def run_bench(config: BenchConfig, progress: bool = True) -> list[ReplayResult]:
     from tqdm import tqdm
 
-    traces = [read_trace(path) for path in config.traces]  # all validated before any work starts
+    traces = load_traces(config.traces, config.regime)
+    if config.regime == "siblings":
+        return _run_siblings(config, traces)
     replayed = sum(sum(1 for r in t.rollouts if r.epoch >= 1) for t in traces)
     total = replayed * len(config.methods) * len(config.ks)
     bar = tqdm(total=total, desc="replay", unit="rollout", disable=not progress, leave=False)
@@ -183,3 +217,28 @@ def run_bench(config: BenchConfig, progress: bool = True) -> list[ReplayResult]:
                 results.append(result)
     bar.close()
     return results
+
+
+def _run_siblings(config: BenchConfig, traces: list[Trace]) -> list[ReplayResult]:
+    """The fresh-prompts regime (``ngramrl.bench.siblings``): every prompt-epoch on its own."""
+    results = []
+    for trace in traces:
+        for k in config.ks:
+            for name in config.methods:
+                method = make_sibling_method(name, drafter_for(trace, config.drafter), config.history)
+                results.append(replay_siblings(trace, method, k, trace.path))
+    return results
+
+
+def run_by_epoch(config: BenchConfig) -> dict[str, dict[int, list]]:
+    """Tokens per forward epoch by epoch for each trace and k (``ngramrl.bench.epochs``), for the
+    methods of ``EPOCH_METHODS`` the config has."""
+    from ngramrl.bench.epochs import replay_by_epoch
+
+    out: dict[str, dict[int, list]] = {}
+    for trace in load_traces(config.traces):
+        for k in config.ks:
+            out.setdefault(trace.path, {})[k] = [
+                replay_by_epoch(trace, name, k, drafter_for(trace, config.drafter), config.history)
+                for name in config.methods if name in EPOCH_METHODS]
+    return out

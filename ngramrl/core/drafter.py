@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from ngramrl.config import DrafterConfig
 from ngramrl.core.automaton import SuffixAutomaton
 from ngramrl.core.estimate import MatchState, Source, advance
-from ngramrl.core.history import RolloutHistory
+from ngramrl.core.history import RolloutHistory, token_ids
 from ngramrl.core.tree import DraftTree, choose_path, extend_path, grow_tree
 
 
@@ -87,10 +87,16 @@ class NgramDrafter:
     # -- request life cycle -----------------------------------------------------------------
 
     def start(self, request_id: str, prompt_id: str, prompt: list[int],
-              output: list[int] | None = None, register: bool = False) -> RequestState:
-        """A request starts. ``register``: a prompt never seen is added to the history now (the
-        engine does this, so the first samples of a prompt already share their tokens)."""
-        request = RequestState(request_id, prompt_id, list(prompt), list(output or []))
+              output: list[int] | None = None, register: bool = True) -> RequestState:
+        """A request starts (``output``: tokens it already generated). A prompt never seen is added
+        to the history now, so its request drafts from its own output and its siblings' at once,
+        and its finished rollouts become history (``finish`` with an epoch). ``register=False``
+        leaves an unknown prompt out: its request drafts nothing and leaves nothing behind (the
+        replay benchmark's rule: a rollout sees only earlier epochs, so a prompt first met in it
+        has nothing to draft from). A request id may be in flight only once."""
+        if not isinstance(request_id, str) or not isinstance(prompt_id, str):
+            raise ValueError(f"request and prompt ids must be strings, got {request_id!r} and {prompt_id!r}")
+        request = RequestState(request_id, prompt_id, token_ids(prompt, "prompt"), token_ids(output or [], "output"))
         request.known = self.history.begin_live(prompt_id, request_id, request.output,
                                                 request.prompt if register else None)
         if request.known:
@@ -99,6 +105,7 @@ class NgramDrafter:
 
     def commit(self, request: RequestState, tokens: list[int]) -> None:
         """Tokens the target committed (accepted draft tokens and the one it emitted)."""
+        tokens = token_ids(tokens, "committed tokens")
         request.output.extend(tokens)
         if not request.known:
             return
@@ -119,6 +126,7 @@ class NgramDrafter:
         one go. Where drafting does not pay (large batches on CPUs) lookups are rare, and inserting
         a backlog at once costs a fraction of inserting each token after every forward, when the
         automaton has left the caches."""
+        tokens = token_ids(tokens, "committed tokens")
         request.output.extend(tokens)
         if not request.known:
             return
@@ -162,6 +170,8 @@ class NgramDrafter:
     def finish(self, request: RequestState, epoch: int | None = None, linger: bool = False) -> None:
         """The request ended: keep its output as a finished rollout of ``epoch``, or drop it (None;
         with ``linger`` it stays in the index until the prompt's next finished rollout arrives)."""
+        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
+            raise ValueError(f"epoch must be an integer >= 0 or None, got {epoch!r}")
         if request.known:
             self.absorb(request)
             self.history.end_live(request.prompt_id, request.request_id, epoch, linger=linger)

@@ -9,11 +9,46 @@ A global token cap evicts whole prompts, least recently used first.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ngramrl.config import HistoryConfig
 from ngramrl.core.automaton import ROOT, SuffixAutomaton
+
+_INT = {int}
+
+
+def token_ids(tokens: Iterable[int], what: str) -> list[int]:
+    """``tokens`` as a list of non-negative ints (NumPy and other integer types are taken), or a
+    ValueError that names ``what`` and the first bad position. Cheap on the common path: the
+    engine commits a few tokens per row per step."""
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+        raise ValueError(f"{what} must be a sequence of token ids, got {tokens!r}")
+    out = list(tokens)
+    try:
+        if not out or (min(out) >= 0 and set(map(type, out)) <= _INT):
+            return out
+    except TypeError:  # not comparable with ints: reported below
+        pass
+    for position, token in enumerate(out):
+        if isinstance(token, bool):
+            raise ValueError(f"{what}[{position}] is not a token id: {token!r}")
+        try:
+            value = operator.index(token)
+        except TypeError:
+            raise ValueError(f"{what}[{position}] is not an integer token id: {token!r}") from None
+        if value < 0:
+            raise ValueError(f"{what}[{position}] = {value} is negative (token ids are >= 0)")
+        out[position] = value
+    return out
+
+
+def _epoch(epoch: int, what: str) -> int:
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {epoch!r}")
+    return epoch
 
 
 @dataclass
@@ -41,6 +76,7 @@ class RolloutHistory:
     def __init__(self, config: HistoryConfig | None = None) -> None:
         self.config = config or HistoryConfig()
         self._prompts: OrderedDict[str, PromptHistory] = OrderedDict()
+        self._live_prompt: dict[str, str] = {}  # request id -> prompt id, for every request in flight
         self._stored = 0
         self.evicted_prompts = 0
         self.rebuilds = 0
@@ -74,8 +110,9 @@ class RolloutHistory:
 
     def add_rollout(self, prompt_id: str, prompt: list[int], output: list[int], epoch: int = 0) -> None:
         """Record a finished rollout; it becomes a draft source for every later request of this prompt."""
+        prompt, output = token_ids(prompt, "prompt"), token_ids(output, "output")
         entry = self._entry(prompt_id, prompt)
-        self._store(entry, epoch, list(output), index_it=True)
+        self._store(entry, _epoch(epoch, "epoch"), output, index_it=True)
 
     def _entry(self, prompt_id: str, prompt: list[int]) -> PromptHistory:
         entry = self._prompts.get(prompt_id)
@@ -132,6 +169,8 @@ class RolloutHistory:
         while self._stored > self.config.max_tokens and len(self._prompts) > 1:
             _, entry = self._prompts.popitem(last=False)
             self._stored -= entry.stored_tokens
+            for request_id in entry.live:  # they go on without drafts; their ids are free again
+                self._live_prompt.pop(request_id, None)
             self.evicted_prompts += 1
             self.layout += 1
             if self._global is not None:
@@ -147,13 +186,18 @@ class RolloutHistory:
     def begin_live(self, prompt_id: str, request_id: str, output: list[int] | None = None,
                    prompt: list[int] | None = None) -> bool:
         """A request starts: its tokens become visible to itself and its siblings. An unknown prompt
-        is registered when its tokens are given; otherwise returns False (nothing to draft from)."""
+        is registered when its tokens are given; otherwise returns False (nothing to draft from).
+        A request id may be in flight only once."""
+        if request_id in self._live_prompt:
+            raise ValueError(f"request id {request_id!r} is already in flight (for prompt "
+                             f"{self._live_prompt[request_id]!r}): finish it before starting another with that id")
         entry = self._prompts.get(prompt_id)
         if entry is None:
             if prompt is None:
                 return False
             entry = self._entry(prompt_id, prompt)
         entry.live[request_id] = list(output or [])
+        self._live_prompt[request_id] = prompt_id
         self._stored += len(entry.live[request_id])
         if entry.index is not None:
             entry.cursors[request_id] = entry.index.add_sequence(self.sequence(entry.prompt, entry.live[request_id]))
@@ -181,6 +225,7 @@ class RolloutHistory:
         if entry is None or request_id not in entry.live:
             return
         tokens = entry.live.pop(request_id)
+        self._live_prompt.pop(request_id, None)
         self._stored -= len(tokens)
         entry.cursors.pop(request_id, None)
         if epoch is None and linger:
@@ -239,6 +284,7 @@ class RolloutHistory:
     def clear(self) -> None:
         """Forget every prompt and rollout (a request still live goes on without drafts)."""
         self._prompts.clear()
+        self._live_prompt.clear()
         self._stored = 0
         self._global, self._global_tokens, self._global_stale = None, 0, 0
         self.layout += 1
@@ -246,9 +292,12 @@ class RolloutHistory:
     def restore(self, exported: list[list]) -> None:
         """Add what ``export`` returned, in its order (so windows and recency come out the same)."""
         for prompt_id, prompt, rollouts in exported:
-            entry = self._entry(str(prompt_id), list(prompt))
+            if not isinstance(prompt_id, str):
+                raise ValueError(f"prompt id {prompt_id!r} is not a string")
+            entry = self._entry(prompt_id, token_ids(prompt, f"prompt of {prompt_id!r}"))
             for epoch, tokens in rollouts:
-                self._store(entry, int(epoch), list(tokens), index_it=True)
+                what = f"rollout of {prompt_id!r}"
+                self._store(entry, _epoch(epoch, f"epoch of a {what}"), token_ids(tokens, what), index_it=True)
 
     def built_global_index(self) -> SuffixAutomaton | None:
         """The cross-prompt index if it is built, without building it."""
@@ -267,4 +316,4 @@ class RolloutHistory:
         return self._global
 
 
-__all__ = ["RolloutHistory", "PromptHistory", "ROOT"]
+__all__ = ["RolloutHistory", "PromptHistory", "ROOT", "token_ids"]

@@ -199,6 +199,7 @@ def _parse_rollout(path: str, line: int, raw: str, vocab_size: int) -> Rollout:
 def iter_trace(path: str) -> Iterator[TraceHeader | Rollout]:
     """Yield the header, then each rollout, validating as it goes."""
     prompts: dict[str, list[int]] = {}
+    seen: dict[tuple[str, int, int], int] = {}  # (prompt_id, epoch, sample) -> its line
     last_epoch = -1
     header: TraceHeader | None = None
     try:
@@ -216,6 +217,12 @@ def iter_trace(path: str) -> Iterator[TraceHeader | Rollout]:
                         path, line_no, f"epoch goes backwards ({rollout.epoch} after {last_epoch})"
                     )
                 last_epoch = rollout.epoch
+                key = (rollout.prompt_id, rollout.epoch, rollout.sample)
+                if key in seen:
+                    raise TraceError(path, line_no, f"rollout (prompt_id {rollout.prompt_id!r}, epoch "
+                                                    f"{rollout.epoch}, sample {rollout.sample}) appears twice "
+                                                    f"(first on line {seen[key]})")
+                seen[key] = line_no
                 known = prompts.setdefault(rollout.prompt_id, rollout.prompt)
                 if known != rollout.prompt:
                     raise TraceError(

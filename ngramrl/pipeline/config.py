@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from ngramrl.config import NgramRLConfig
+from ngramrl.config import NgramRLConfig, describe, fits
 
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
 WORKLOADS = ("gsm", "bfcl", "spider", "reasoning_gym")
@@ -48,6 +49,30 @@ def _looks_like_hub_id(path: str) -> bool:
     return len(parts) == 2 and all(parts) and not path.startswith((".", "~"))
 
 
+def check_model_path(path: str) -> None:
+    """A model directory (holding config.json), a built-in name, or a Hugging Face id (org/name)
+    that cannot be a local path; otherwise a ValueError that says which it is taken for."""
+    if path in BUILTIN_MODELS:
+        return
+    local = os.path.expanduser(path)
+    if os.path.isdir(local):
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            raise ValueError(f"path {path!r} is a directory but not a model directory (it holds no config.json; "
+                             f"give the directory a Hugging Face model was saved to)")
+        return
+    if os.path.exists(local):
+        raise ValueError(f"path {path!r} is a file; give a model directory (holding config.json)")
+    if _looks_like_hub_id(path):
+        first = path.split("/")[0]
+        if os.path.isdir(first):  # meant as a local path: ./first exists, first/name does not
+            raise ValueError(f"path {path!r}: no such model directory ({first}/ exists here, so this is taken "
+                             f"for a local path, not a Hugging Face id; write ./{path} or an absolute path for a "
+                             f"local model, or rename the {first}/ directory to use the hub id)")
+        return
+    raise ValueError(f"path {path!r} is neither a model directory, a Hugging Face model id "
+                     f"(org/name), nor a built-in model ({', '.join(BUILTIN_MODELS)})")
+
+
 @dataclass
 class ModelSection:
     path: str = "smollm2-135m-instruct"   # a HF model directory, or a built-in name (shipped in a package)
@@ -58,10 +83,7 @@ class ModelSection:
         for name in ("rollout_dtype", "train_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
-        if self.path not in BUILTIN_MODELS and not os.path.isdir(os.path.expanduser(self.path)) \
-                and not _looks_like_hub_id(self.path):
-            raise ValueError(f"path {self.path!r} is neither a model directory, a Hugging Face model id "
-                             f"(org/name), nor a built-in model ({', '.join(BUILTIN_MODELS)})")
+        check_model_path(self.path)
 
 
 def _check_reasoning_gym_task(task: str | None, settings: dict[str, Any]) -> None:
@@ -139,6 +161,8 @@ class RolloutSection:
                              f"got {self.samples_per_prompt}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (no top-k) or >= 1, got {self.top_k}")
         if self.max_tokens >= self.max_model_len:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be below max_model_len ({self.max_model_len})")
 
@@ -215,15 +239,29 @@ class RaySection:
             raise ValueError(f"num_cpus must be >= 1, got {self.num_cpus}")
 
 
+IF_EXISTS = ("refuse", "resume", "overwrite")
+
+
 @dataclass
 class RunSection:
     steps: int = 6
     seed: int = 0
     output_dir: str = "runs/train"
+    # An output_dir holding an earlier run: refuse (keep it), resume (append to it: the trace,
+    # metrics and drafter pool go on, epochs continue) or overwrite (delete the earlier run's files).
+    if_exists: str = "refuse"
+    timeout_s: float = 1800.0          # the longest one phase may wait on the actors (start-up, rollouts, training)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.if_exists not in IF_EXISTS:
+            raise ValueError(f"if_exists must be one of {', '.join(IF_EXISTS)}, got {self.if_exists!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if os.path.exists(os.path.expanduser(self.output_dir)) and not os.path.isdir(
+                os.path.expanduser(self.output_dir)):
+            raise ValueError(f"output_dir {self.output_dir!r} is a file, not a directory")
 
 
 @dataclass
@@ -251,6 +289,10 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+# A number as YAML 1.1 (PyYAML) leaves it a string: 1e-6, 2E+3 (no dot before the exponent).
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _check_type(value: Any, hint: Any, where: str) -> Any:
     """Accept ``value`` for a field typed ``hint`` (ints for floats, lists for tuples), or fail."""
     origin = typing.get_origin(hint)
@@ -268,26 +310,13 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
         raise ConfigError(f"{where} has the wrong type: {value!r}")
     if hint is Any:
         return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where} must be an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where} must be a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where} must be a string, got {value!r}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where} must be a list, got {value!r}")
-        return tuple(_check_type(v, typing.get_args(hint)[0], f"{where}[{i}]") for i, v in enumerate(value))
+    if hint is float and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        value = float(value)
+    if hint in (bool, int, float, str) or origin is tuple:
+        ok, kept = fits(value, hint)
+        if not ok or (origin is tuple and not isinstance(value, (list, tuple))):
+            raise ConfigError(f"{where} must be {describe(hint)}, got {value!r}")
+        return kept
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")
@@ -326,16 +355,22 @@ def _build(cls: type, raw: Any, where: str) -> Any:
 def _apply_override(raw: dict[str, Any], override: str) -> None:
     import yaml
 
-    if "=" not in override:
-        raise ConfigError(f"override {override!r} must look like section.key=value")
-    path, text = override.split("=", 1)
+    path, equals, text = override.partition("=")
     keys = path.strip().split(".")
+    if not equals or not all(key.strip() for key in keys):
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        problem = str(getattr(err, "problem", None) or err).splitlines()[0]
+        raise ConfigError(f"override {override!r}: the value {text!r} is not valid YAML ({problem}); "
+                          f"quote it to pass a string") from None
     node = raw
     for key in keys[:-1]:
-        node = node.setdefault(key, {})
+        node = node.setdefault(key.strip(), {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {key} is not a section")
-    node[keys[-1]] = yaml.safe_load(text)
+    node[keys[-1].strip()] = value
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "<config>") -> TrainConfig:
@@ -354,16 +389,29 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
     if path is not None:
         if not os.path.exists(path):
             raise ConfigError(f"{path}: no such config file")
+        if os.path.isdir(path):
+            raise ConfigError(f"{path}: is a directory, not a YAML config file (e.g. ray_configs/cpu_default.yaml)")
         try:
             with open(path, encoding="utf-8") as handle:
-                raw = yaml.safe_load(handle) or {}
+                raw = yaml.safe_load(handle)
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path}: cannot be read ({err})") from None
+        if raw is None:
+            raise ConfigError(f"{path}: is empty (no settings); leave out --config to run the built-in defaults")
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    file_workload = dict(raw.get("workload") or {}) if isinstance(raw.get("workload"), dict) else {}
     for override in overrides or []:
         try:
             _apply_override(raw, override)
         except ConfigError as err:
             raise ConfigError(f"{source}: {err}") from None
+    workload = raw.get("workload")
+    if isinstance(workload, dict) and workload.get("name") != file_workload.get("name"):
+        # --set workload.name=... picks another workload: the file's task belongs to the one it named.
+        for key in ("task", "task_settings"):
+            if key in workload and workload[key] == file_workload.get(key):
+                del workload[key]
     return config_from_dict(raw, source)

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +28,62 @@ import numpy as np
 from ngramrl.config import DrafterConfig, NgramRLConfig
 from ngramrl.core.batch import DraftBatch, make_core
 from ngramrl.core.drafter import Draft
+from ngramrl.core.history import RolloutHistory
 from ngramrl.core.trace import Rollout
+from ngramrl.pipeline.journal import RolloutJournal
 
 logger = logging.getLogger(__name__)
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2: the snapshot names its pool's shard count
+RECENT = 2048         # latency samples kept per shard (actors live as long as the run)
+
+
+class SnapshotError(ValueError):
+    """A drafter snapshot that cannot be restored; the message names the file."""
+
+
+def snapshot_path(snapshot_dir: str, index: int) -> str:
+    return os.path.join(snapshot_dir, f"shard-{index}.json.gz")
+
+
+def journal_path(snapshot: str) -> str:
+    """Where the shard saving to ``snapshot`` journals the rollouts it takes until its next save."""
+    return snapshot[:-len(".json.gz")] + ".journal.jsonl" if snapshot.endswith(".json.gz") else snapshot + ".journal"
+
+
+def check_snapshots(snapshot_dir: str, shards: int) -> list[str]:
+    """The snapshot files a pool of ``shards`` restores from ``snapshot_dir``, checked from their
+    first bytes (quick: before anything starts) for being this pool's; a ``SnapshotError`` or
+    ``FileNotFoundError`` naming the file otherwise. Loading checks the rest."""
+    import glob
+    import re
+
+    for path in sorted(glob.glob(os.path.join(snapshot_dir, "shard-*.json.gz"))):
+        index = os.path.basename(path)[len("shard-"):-len(".json.gz")]
+        if not index.isdigit() or int(index) >= shards:
+            raise SnapshotError(f"{path}: a snapshot of a pool of more shards; this pool has {shards} "
+                                f"(pool.shards must be the saved pool's)")
+    paths = []
+    for index in range(shards):
+        path = snapshot_path(snapshot_dir, index)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: no saved drafter shard {index} (was the pool saved with "
+                                    f"{shards} shards?)")
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as handle:
+                head = handle.read(120)
+        except (OSError, EOFError, UnicodeDecodeError) as err:
+            raise SnapshotError(f"{path}: not a readable drafter snapshot ({type(err).__name__}: {err})") from None
+        found = re.match(r'\{"version": (\d+), "shard": (\d+), "shards": (\d+)', head)
+        if found is None:
+            raise SnapshotError(f"{path}: not a drafter snapshot of version {SNAPSHOT_VERSION} (it starts "
+                                f"{head[:40]!r})")
+        version, shard, count = map(int, found.groups())
+        if version != SNAPSHOT_VERSION or shard != index or count != shards:
+            raise SnapshotError(f"{path}: holds shard {shard} of a pool of {count} shards (version {version}); "
+                                f"this is shard {index} of {shards}")
+        paths.append(path)
+    return paths
 
 
 def shard_of(prompt_id: str, shards: int) -> int:
@@ -71,21 +123,30 @@ class ShardStats:
     steps: int = 0
     drafts: int = 0
     prefetched: int = 0
-    step_us: list[float] = field(default_factory=list)
-    prefetch_us: list[float] = field(default_factory=list)
+    step_us: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    prefetch_us: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
 
 class DrafterShard:
     """The history and live requests of one shard of prompts (a Ray actor in the pipeline), on the
     same drafting core as the in-engine proposer (``ngramrl.core.batch``)."""
 
-    def __init__(self, index: int, config: NgramRLConfig, stop_tokens: tuple[int, ...] = ()) -> None:
+    def __init__(self, index: int, config: NgramRLConfig, stop_tokens: tuple[int, ...] = (), shards: int = 1,
+                 journal: str | None = None) -> None:
+        """``journal``: the file where every rollout this shard takes is written first, until its
+        next ``save`` (so a shard that dies is rebuilt from its snapshot and journal, whoever fed
+        it: the driver, or OpenRLHF's engines directly). A new shard never empties it: ``load``
+        and ``replay_journal`` read it back."""
+        if not 0 <= index < shards:
+            raise ValueError(f"shard {index} of {shards}: the index must be in [0, {shards})")
         self.index = index
+        self.shards = shards
         self.config = config
         self.drafter_config = DrafterConfig(**{**config.drafter.__dict__,
                                                "stop_tokens": tuple(sorted(set(config.drafter.stop_tokens)
                                                                            | set(stop_tokens)))})
         self.stats = ShardStats()
+        self.journal = RolloutJournal(journal) if journal else None
         self._empty()
 
     def _empty(self) -> None:
@@ -98,7 +159,13 @@ class DrafterShard:
     # -- history ----------------------------------------------------------------------------
 
     def add_rollouts(self, rollouts: list[tuple[str, list[int], list[int], int]]) -> int:
-        """Finished rollouts (prompt_id, prompt, output, epoch) enter the history."""
+        """Finished rollouts (prompt_id, prompt, output, epoch) enter the history (and the journal
+        first)."""
+        if self.journal is not None:
+            self.journal.append(rollouts)
+        return self._take(rollouts)
+
+    def _take(self, rollouts: list[tuple[str, list[int], list[int], int]]) -> int:
         touched = {}
         for prompt_id, prompt, output, epoch in rollouts:
             self.core.add_rollout(prompt_id, prompt, output, epoch)
@@ -109,7 +176,8 @@ class DrafterShard:
         return self.stats.rollouts
 
     def snapshot(self) -> dict[str, Any]:
-        return {"version": SNAPSHOT_VERSION, "shard": self.index, "prompts": self.core.export()}
+        return {"version": SNAPSHOT_VERSION, "shard": self.index, "shards": self.shards,
+                "prompts": self.core.export()}
 
     def save(self, path: str) -> str:
         tmp = f"{path}.tmp"
@@ -117,17 +185,55 @@ class DrafterShard:
         with gzip.open(tmp, "wt", encoding="utf-8") as handle:
             json.dump(self.snapshot(), handle)
         os.replace(tmp, path)
+        if self.journal is not None:  # the snapshot holds everything journaled so far
+            self.journal.reset()
         return path
 
+    def replay_journal(self) -> int:
+        """Take the rollouts this shard's journal holds (those since its last save) again."""
+        if self.journal is None:
+            return 0
+        records = self.journal.read()
+        self._take(records)
+        return len(records)
+
     def load(self, path: str) -> int:
-        """Restore the history saved at ``path`` (replaces this shard's history)."""
-        with gzip.open(path, "rt", encoding="utf-8") as handle:
-            data = json.load(handle)
-        if data.get("version") != SNAPSHOT_VERSION:
-            raise ValueError(f"{path}: drafter snapshot version {data.get('version')!r}, "
-                             f"this ngramrl reads version {SNAPSHOT_VERSION}")
+        """Restore the history saved at ``path`` (replaces this shard's history). The snapshot must
+        be this shard's, saved by a pool of as many shards, and hold only prompts this shard owns;
+        anything else is a ``SnapshotError`` naming the file, and leaves the history as it was."""
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as handle:
+                data = json.load(handle)
+        except (OSError, EOFError, UnicodeDecodeError, ValueError) as err:
+            raise SnapshotError(f"{path}: not a readable drafter snapshot ({type(err).__name__}: {err})") from None
+        if not isinstance(data, dict) or "version" not in data:
+            raise SnapshotError(f"{path}: not a drafter snapshot (no version)")
+        if data["version"] != SNAPSHOT_VERSION:
+            raise SnapshotError(f"{path}: drafter snapshot version {data['version']!r}, this ngramrl reads version "
+                                f"{SNAPSHOT_VERSION}")
+        if data.get("shard") != self.index or data.get("shards") != self.shards:
+            raise SnapshotError(f"{path}: holds shard {data.get('shard')!r} of a pool of {data.get('shards')!r} "
+                                f"shards; this is shard {self.index} of {self.shards} (prompts are spread over "
+                                f"the shards by a hash of their id, so a pool restores only its own shards)")
+        prompts = data.get("prompts")
+        history = RolloutHistory(self.config.history)  # a scratch restore: a bad file leaves the core as it was
+        try:
+            if not isinstance(prompts, list):
+                raise ValueError("'prompts' is not a list")
+            for entry in prompts:
+                if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+                    raise ValueError(f"a prompt entry is not [prompt_id, prompt, rollouts]: {str(entry)[:80]}")
+                if shard_of(entry[0], self.shards) != self.index:
+                    raise ValueError(f"prompt {entry[0]!r} belongs to shard {shard_of(entry[0], self.shards)}")
+            history.restore(prompts)
+        except (ValueError, TypeError) as err:
+            raise SnapshotError(f"{path}: not a valid drafter snapshot ({err})") from None
         self._empty()
-        self.core.restore(data["prompts"])
+        self.core.restore(prompts)
+        beside = RolloutJournal(journal_path(path))  # what the shard that saved it took after the save
+        if self.journal is None or os.path.abspath(beside.path) != os.path.abspath(self.journal.path):
+            self._take(beside.read())
+        self.replay_journal()
         return len(self.core)
 
     # -- engine steps -----------------------------------------------------------------------
@@ -217,8 +323,8 @@ class DrafterShard:
         return {"shard": self.index, "pid": os.getpid(), "prompts": len(self.core), "native": self.core.native,
                 "stored_tokens": self.core.stored_tokens, "rollouts": stats.rollouts, "steps": stats.steps,
                 "live_requests": len(self.requests), "prefetched": stats.prefetched,
-                "step_us_median": statistics.median(stats.step_us[-2048:]) if stats.step_us else None,
-                "prefetch_us_median": statistics.median(stats.prefetch_us[-2048:]) if stats.prefetch_us else None}
+                "step_us_median": statistics.median(stats.step_us) if stats.step_us else None,
+                "prefetch_us_median": statistics.median(stats.prefetch_us) if stats.prefetch_us else None}
 
 
 def _listed(draft: Draft) -> tuple[list[int], list[float]]:
@@ -261,14 +367,14 @@ class DrafterPool:
         self.draft_timeout_ms = draft_timeout_ms
         self.actor_class = ray.remote(num_cpus=num_cpus, max_restarts=0)(DrafterShard)
         self.handles = [self._create(i) for i in range(shards)]
-        self.since_save: list[list[tuple[str, list[int], list[int], int]]] = [[] for _ in range(shards)]
         self.saved: list[str | None] = [None] * shards
         self.restarts = 0
         self.restarted_shards: list[int] = []
 
     def _create(self, index: int) -> Any:
-        return self.actor_class.options(name=self.names[index], namespace=self.namespace,
-                                        lifetime=None).remote(index, self.config, self.stop_tokens)
+        return self.actor_class.options(name=self.names[index], namespace=self.namespace, lifetime=None).remote(
+            index, self.config, self.stop_tokens, len(self.names),
+            journal=journal_path(snapshot_path(self.snapshot_dir, index)))
 
     def settings(self) -> PoolSettings:
         context = self.ray.get_runtime_context()
@@ -283,7 +389,6 @@ class DrafterPool:
         refs = []
         for index, records in enumerate(by_shard):
             if records:
-                self.since_save[index].extend(records)
                 refs.append((index, self.handles[index].add_rollouts.remote(records)))
         for index, ref in refs:
             try:
@@ -291,32 +396,45 @@ class DrafterPool:
             except Exception as err:  # noqa: BLE001 - a dead shard is rebuilt by heal()
                 logger.warning("drafter shard %d did not take rollouts (%s); it will be rebuilt", index, err)
 
-    def save(self) -> list[str | None]:
-        """Every live shard saves its history; the rollouts since are kept for rebuilding."""
+    def save(self, timeout_s: float = 300.0) -> list[str | None]:
+        """Every live shard saves its history (and empties its journal). Returns
+        each shard's snapshot path, None for a shard that could not save now (its last snapshot,
+        if any, stays on disk)."""
         refs = []
         for index, handle in enumerate(self.handles):
-            path = os.path.join(self.snapshot_dir, f"shard-{index}.json.gz")
+            path = snapshot_path(self.snapshot_dir, index)
             refs.append((index, path, handle.save.remote(path)))
+        saved: list[str | None] = [None] * len(self.handles)
+        deadline = time.monotonic() + timeout_s
         for index, path, ref in refs:
             try:
-                self.ray.get(ref, timeout=300)
+                self.ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except Exception as err:  # noqa: BLE001
                 logger.warning("drafter shard %d could not save (%s)", index, err)
                 continue
-            self.saved[index] = path
-            self.since_save[index] = []
-        return list(self.saved)
+            self.saved[index] = saved[index] = path
+        return saved
 
-    def restore(self, snapshot_dir: str) -> int:
-        """Load every shard's saved history from ``snapshot_dir`` (a resumed run starts warm)."""
-        refs = []
-        for index, handle in enumerate(self.handles):
-            path = os.path.join(snapshot_dir, f"shard-{index}.json.gz")
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"{path}: no saved drafter shard {index} (was the pool saved with "
-                                        f"{len(self.handles)} shards?)")
-            refs.append(handle.load.remote(path))
-        return sum(self.ray.get(refs))
+    def restore(self, snapshot_dir: str, timeout_s: float = 600.0) -> int:
+        """Load every shard's saved history from ``snapshot_dir`` (a resumed run starts warm); a
+        snapshot of another shard or shard count, or a damaged one, is refused naming its file."""
+        paths = check_snapshots(snapshot_dir, len(self.handles))
+        refs = [(path, handle.load.remote(path)) for path, handle in zip(paths, self.handles, strict=True)]
+        restored = sum(self._result(ref, f"restoring {path}", timeout_s) for path, ref in refs)
+        self.saved = list(paths)  # a shard lost before its first save here is rebuilt from these
+        return restored
+
+    def _result(self, ref: Any, what: str, timeout_s: float) -> Any:
+        """A shard call's result within ``timeout_s``; the shard's own error (not Ray's wrapper)."""
+        try:
+            return self.ray.get(ref, timeout=timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"drafter pool: {what} did not finish within {timeout_s:.0f} s") from None
+        except self.ray.exceptions.RayTaskError as err:
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
 
     def health(self, timeout_s: float = 10.0) -> list[dict[str, Any] | None]:
         """Each shard's health report, None for a shard that did not answer in time."""
@@ -330,7 +448,8 @@ class DrafterPool:
         return reports
 
     def heal(self, timeout_s: float = 10.0) -> list[int]:
-        """Restart shards that died (or hang), rebuilt from their last save plus the rollouts since."""
+        """Restart shards that died (or hang), rebuilt from their last save plus their journal of the
+        rollouts since (written by the shard itself, whoever fed it)."""
         restarted = []
         for index, report in enumerate(self.health(timeout_s)):
             if report is not None:
@@ -342,9 +461,11 @@ class DrafterPool:
                 pass
             self.handles[index] = self._wait_create(index)
             if self.saved[index] is not None:
-                self.ray.get(self.handles[index].load.remote(self.saved[index]))
-            if self.since_save[index]:
-                self.ray.get(self.handles[index].add_rollouts.remote(self.since_save[index]))
+                self._result(self.handles[index].load.remote(self.saved[index]), f"reloading {self.saved[index]}",
+                             600.0)
+            else:
+                self._result(self.handles[index].replay_journal.remote(),
+                             f"replaying shard {index}'s journal of the rollouts since its last save", 600.0)
             restarted.append(index)
         self.restarts += len(restarted)
         self.restarted_shards.extend(restarted)
@@ -361,9 +482,11 @@ class DrafterPool:
                     raise
                 time.sleep(0.2)
 
-    def lookup(self, prompt_id: str, prompt: list[int], output: list[int], k: int) -> tuple[list[int], list[float]]:
-        handle = self.handles[shard_of(prompt_id, len(self.handles))]
-        return self.ray.get(handle.lookup.remote(prompt_id, prompt, output, k))
+    def lookup(self, prompt_id: str, prompt: list[int], output: list[int], k: int,
+               timeout_s: float = 60.0) -> tuple[list[int], list[float]]:
+        index = shard_of(prompt_id, len(self.handles))
+        return self._result(self.handles[index].lookup.remote(prompt_id, prompt, output, k),
+                            f"a lookup on shard {index}", timeout_s)
 
     def shutdown(self) -> None:
         for handle in self.handles:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from ngramrl.pipeline.pool import PoolSettings, StepItem, StepReply, shard_of
 
 POOL_ENV = "NGRAMRL_POOL"
 POOL_PROPOSER = "ngramrl.pipeline.pool_proposer.PoolProposer"
+MAX_FINISHED = 65536  # ended request ids kept for a shard that is down
 
 
 @dataclass
@@ -46,7 +48,7 @@ class PoolClientStats:
     errors: int = 0          # failed calls to a shard
     reconnects: int = 0
     prefetch_late: int = 0   # prefetch answers not back by the next step
-    wait_us: list[float] = field(default_factory=list)
+    wait_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # recent waits only: runs are long
 
 
 def connect_ray(settings: PoolSettings) -> Any:
@@ -74,7 +76,8 @@ class PoolProposer(NgramRLProposer):
         self.handles: list[Any | None] = [None] * shards
         self.actor_ids: list[str | None] = [None] * shards
         self.retry_at = [0.0] * shards
-        self.finished: list[list[str]] = [[] for _ in range(shards)]
+        self.finished: list[list[str]] = [[] for _ in range(shards)]  # ended requests each shard may drop
+        self.finished_for: list[str | None] = [None] * shards          # the shard actor they are meant for
         self.candidates: dict[str, dict[tuple[int, int], Draft]] = {}
         self.step_refs: list[tuple[int, Any]] = []
         self.prefetch_refs: list[tuple[int, Any]] = []
@@ -103,6 +106,9 @@ class PoolProposer(NgramRLProposer):
             return None
         self.handles[shard] = handle
         self.actor_ids[shard] = handle._actor_id.hex()
+        if self.actor_ids[shard] != self.finished_for[shard]:  # a new actor never knew those requests
+            self.finished[shard] = []
+            self.finished_for[shard] = self.actor_ids[shard]
         self.client.reconnects += 1
         return handle
 
@@ -125,11 +131,15 @@ class PoolProposer(NgramRLProposer):
         return PoolRequest(req_id, prompt_id, prompt, list(before), shard_of(prompt_id, len(self.handles)))
 
     def _finish(self, request: PoolRequest, epoch: int) -> None:
-        self.finished[request.shard].append(request.req_id)
+        finished = self.finished[request.shard]
+        finished.append(request.req_id)
+        if len(finished) > MAX_FINISHED:  # a shard down for long: the oldest ids are not worth keeping
+            del finished[:len(finished) // 2]
         self.candidates.pop(request.req_id, None)
 
-    def _begin_step(self) -> None:
-        """Take the prefetch answers that came back during the forward; surface failed calls."""
+    def _begin_step(self) -> bool:
+        """Take the prefetch answers that came back during the forward; surface failed calls. (The
+        shards hold the history: nothing here waits, the drafting state is always free to use.)"""
         refs = self.step_refs + self.prefetch_refs
         if refs:
             ready, _ = self.ray.wait([ref for _, ref in refs], num_returns=len(refs), timeout=0)
@@ -146,6 +156,7 @@ class PoolProposer(NgramRLProposer):
                     self.candidates[req_id] = {(j, b): Draft(tokens, probs, source="prompt")
                                                for j, b, tokens, probs in outcomes}
         self.step_refs, self.prefetch_refs = [], []
+        return True
 
     def _draft(self, rows: list[Row]) -> list[Draft]:
         drafts: list[Draft] = [EMPTY] * len(rows)
@@ -240,4 +251,4 @@ class PoolProposer(NgramRLProposer):
         return {"pool_calls": client.calls, "pool_late_rows": client.late_rows, "pool_down_rows": client.down_rows,
                 "pool_errors": client.errors, "pool_reconnects": client.reconnects,
                 "pool_prefetch_late": client.prefetch_late,
-                "pool_wait_us_median": statistics.median(client.wait_us[-4096:]) if client.wait_us else None}
+                "pool_wait_us_median": statistics.median(client.wait_us) if client.wait_us else None}

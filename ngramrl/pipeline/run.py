@@ -27,6 +27,7 @@ from ngramrl.pipeline.metrics import draft_rates, ratio
 from ngramrl.pipeline.pool import DrafterPool
 from ngramrl.pipeline.report import write_report
 from ngramrl.pipeline.rewards import reward
+from ngramrl.pipeline.rundir import METRICS_FILE, POOL_DIR, SUMMARY_FILE, TRACE_FILE, plan_run_dir
 from ngramrl.pipeline.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -129,18 +130,29 @@ def _prompt_specs(config: TrainConfig, model_dir: str) -> tuple[list[PromptSpec]
     return specs, {"references": references, "tokenizer": tokenizer}
 
 
+def _wait(ray: Any, refs: Any, what: str, timeout_s: float) -> Any:
+    """``ray.get`` with a time limit; an error that names what did not finish."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s (run.timeout_s)") from None
+
+
 def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None] | None = None) -> TrainResult:
     """Run ``config.run.steps`` RL steps; ``before_rollout(step, pool)`` runs just before a step's
-    rollouts start (tests use it to inject faults the engines then meet)."""
+    rollouts start (tests use it to inject faults the engines then meet). On KeyboardInterrupt
+    (SIGINT) it saves the trace, metrics and drafter pool of the steps done, says so on stderr,
+    and raises it on (``ngramrl train`` exits 130)."""
     import ray
 
     from ngramrl.pipeline.trainer import PolicyTrainer
     from ngramrl.pipeline.workers import RolloutWorker
 
     run, rollout = config.run, config.rollout
-    output_dir = os.path.abspath(run.output_dir)
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "config.json"), "w") as handle:
+    plan = plan_run_dir(config)  # every output checked before anything starts
+    earlier = plan.prepare()
+    output_dir = plan.path
+    with open(plan.config_file(), "w") as handle:
         json.dump(config.to_dict(), handle, indent=1)
     model_dir = resolve_model(config.model.path)
     prompts, extra = _prompt_specs(config, model_dir)
@@ -163,18 +175,23 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), "TOKENIZERS_PARALLELISM": "false"}
         ray.init(runtime_env={"env_vars": env}, **kwargs)
         started_ray = True
-    tracker = Tracker(config.tracking, config.to_dict(), output_dir)
+    tracker = Tracker(config.tracking, config.to_dict(), output_dir, append=plan.mode == "resume")
     pool = None
+    trace: TraceWriter | None = None
+    records: list[StepRecord] = []
+    step = earlier.next_step
     actors: list[Any] = []
+    limit = run.timeout_s
     try:
         use_pool = rollout.draft == "ngramrl"
         if use_pool:
             pool = DrafterPool(config.pool.shards, config.ngramrl, tuple(eos), namespace=config.ray.namespace,
-                               snapshot_dir=os.path.join(output_dir, "pool"), name_prefix=f"ngramrl-{os.getpid()}",
+                               snapshot_dir=os.path.join(output_dir, POOL_DIR), name_prefix=f"ngramrl-{os.getpid()}",
                                draft_timeout_ms=config.pool.draft_timeout_ms, num_cpus=config.pool.num_cpus_per_shard)
-            if config.pool.restore_from:
-                restored = pool.restore(os.path.expanduser(config.pool.restore_from))
-                logger.info("drafter pool restored: %d prompts", restored)
+            restore_from = os.path.expanduser(config.pool.restore_from or "") or earlier.pool_dir
+            if restore_from:
+                restored = pool.restore(restore_from)
+                logger.info("drafter pool restored from %s: %d prompts", restore_from, restored)
         worker_class = ray.remote(num_cpus=rollout.num_cpus_per_engine, num_gpus=rollout.num_gpus_per_engine,
                                   runtime_env=_threads_env(rollout.threads))(RolloutWorker)
         workers = [worker_class.remote(i, model_dir, rollout, config.ngramrl, pool.settings() if pool else None,
@@ -188,17 +205,18 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         trainers = [trainer_class.remote(model_dir, config.model, config.trainer, batch // world, run.seed, rank, world)
                     for rank in range(world)]
         actors.extend(trainers)
-        master, port = ray.get(trainers[0].rendezvous.remote())
+        master, port = _wait(ray, trainers[0].rendezvous.remote(), "the trainer's rendezvous", min(limit, 300))
         trainer_ready = [t.setup.remote(master, port) for t in trainers]
-        ray.get([w.eos_token_ids.remote() for w in workers] + trainer_ready)  # all up (errors surface here)
-        trace = TraceWriter(os.path.join(output_dir, "rollouts.jsonl.gz"), TraceHeader(
+        _wait(ray, [w.eos_token_ids.remote() for w in workers] + trainer_ready,  # all up (errors surface here)
+              "starting the rollout engines and trainers", limit)
+        trace = TraceWriter(os.path.join(output_dir, TRACE_FILE), TraceHeader(
             vocab_size=len(tokenizer), eos_token_ids=eos, model=os.path.basename(os.path.normpath(model_dir)),
             workload=config.workload.name, temperature=rollout.temperature, top_p=rollout.top_p,
             max_tokens=rollout.max_tokens, extra={"ngramrl_run": os.path.basename(output_dir)}))
-        visits: dict[str, int] = {}
-        records: list[StepRecord] = []
+        trace.rollouts.extend(earlier.rollouts)
+        visits: dict[str, int] = dict(earlier.next_epoch)  # a prompt's next epoch
         progress = _progress(run.steps, config.tracking.progress)
-        for step in range(run.steps):
+        for step in range(earlier.next_step, earlier.next_step + run.steps):
             chosen = [prompts[(step * rollout.prompts_per_step + i) % len(prompts)]
                       for i in range(rollout.prompts_per_step)]
             epoch = {p.prompt_id: visits.get(p.prompt_id, 0) for p in chosen}
@@ -212,7 +230,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
                 if mine:
                     refs.append(worker.generate.remote(mine, rollout.samples_per_prompt, epoch,
                                                        run.seed * 1_000_003 + step * 10_007 + e * 1_009))
-            results = ray.get(refs)
+            results = _wait(ray, refs, f"step {step}'s rollouts", limit)
             rollout_seconds = time.perf_counter() - begin
             step_rollouts: list[Rollout] = [r for res in results for r in res["rollouts"]]
             metrics: dict[str, float] = {}
@@ -221,10 +239,6 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
                     metrics[name] = metrics.get(name, 0.0) + value
             for p in chosen:
                 visits[p.prompt_id] = visits.get(p.prompt_id, 0) + 1
-            restarts_before = pool.restarts if pool else 0
-            if pool is not None:
-                pool.heal()
-                pool.add_rollouts(step_rollouts)
             progress.set_description(f"step {step}: rewards")
             texts = tokenizer.batch_decode([r.output for r in step_rollouts], skip_special_tokens=True)
             scores = [score_fn(text, references[r.prompt_id]) for text, r in zip(texts, step_rollouts, strict=True)]
@@ -232,19 +246,24 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             for r, score in zip(step_rollouts, scores, strict=True):
                 r.reward, r.policy_version = score, step
                 trace.add(r)
-            trace.flush()
+            trace.flush()  # before the pool takes them: the pool never holds rollouts the trace lacks
+            restarts_before = pool.restarts if pool else 0
+            if pool is not None:
+                pool.heal()
+                pool.add_rollouts(step_rollouts)
             progress.set_description(f"step {step}: training")
             samples = [{"prompt": r.prompt, "output": r.output, "advantage": a}
                        for r, a in zip(step_rollouts, advantages, strict=True)]
             share = len(samples) // world
-            train_metrics = ray.get([t.train_step.remote(samples[rank * share:(rank + 1) * share])
-                                     for rank, t in enumerate(trainers)])
+            train_metrics = _wait(ray, [t.train_step.remote(samples[rank * share:(rank + 1) * share])
+                                        for rank, t in enumerate(trainers)], f"step {step}'s training", limit)
             progress.set_description(f"step {step}: weights")
             sync_begin = time.perf_counter()
             gathered = [t.weights.remote() for t in trainers]  # every rank joins the gather (ZeRO-3)
-            ray.get([w.load_weights.remote(gathered[0]) for w in workers] + gathered[1:])
+            _wait(ray, [w.load_weights.remote(gathered[0]) for w in workers] + gathered[1:],
+                  f"step {step}'s weight sync", limit)
             sync_seconds = time.perf_counter() - sync_begin
-            sync_error, checksum = _weight_sync_error(ray, trainers, workers)
+            sync_error, checksum = _weight_sync_error(ray, trainers, workers, min(limit, 300))
             if pool is not None and config.pool.save_every and (step + 1) % config.pool.save_every == 0:
                 pool.save()
             health = pool.health() if pool is not None else []
@@ -257,13 +276,15 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             progress.write(record.line())
             progress.update(1)
         progress.close()
+        _write_summary(output_dir, earlier.records, records)
         result = TrainResult(records, trace.path, output_dir, trace.rollouts, tracker.directory)
-        result.report_path, summary = write_report(output_dir, [asdict(r) for r in records], trace.path,
-                                                   rollout.num_speculative_tokens, config.ngramrl.history)
+        result.report_path, summary = write_report(output_dir, earlier.records + [asdict(r) for r in records],
+                                                   trace.path, rollout.num_speculative_tokens, config.ngramrl.history)
         tracker.log_report(result.report_path, summary)
-        with open(os.path.join(output_dir, "summary.json"), "w") as handle:
-            json.dump([asdict(r) for r in records], handle, indent=1)
         return result
+    except KeyboardInterrupt:
+        _save_interrupted(output_dir, step, earlier.records, records, trace, pool)
+        raise
     finally:
         tracker.finish()
         for actor in actors:
@@ -275,6 +296,29 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             pool.shutdown()
         if started_ray:
             ray.shutdown()
+
+
+def _write_summary(output_dir: str, before: list[dict[str, Any]], records: list[StepRecord]) -> None:
+    with open(os.path.join(output_dir, SUMMARY_FILE), "w") as handle:
+        json.dump(before + [asdict(r) for r in records], handle, indent=1)
+
+
+def _save_interrupted(output_dir: str, step: int, before: list[dict[str, Any]], records: list[StepRecord],
+                      trace: TraceWriter | None, pool: DrafterPool | None) -> None:
+    """SIGINT: keep what the finished steps made, and say what was kept."""
+    import sys
+
+    saved = [f"{METRICS_FILE} and {SUMMARY_FILE} ({len(records)} steps this run)"]
+    _write_summary(output_dir, before, records)
+    if trace is not None:
+        trace.flush()
+        saved.append(f"{TRACE_FILE} ({len(trace.rollouts)} rollouts)")
+    if pool is not None:
+        failed = [str(index) for index, path in enumerate(pool.save(timeout_s=30)) if path is None]
+        saved.append(f"{POOL_DIR}/ (the drafter pool" + (f"; shards {', '.join(failed)} could not save now"
+                                                         if failed else "") + ")")
+    print(f"ngramrl train: interrupted in step {step}; saved {', '.join(saved)} in {output_dir}; continue it "
+          f"with --resume", file=sys.stderr, flush=True)
 
 
 def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]], engine: dict[str, float],
@@ -301,12 +345,14 @@ def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]
 CHECKED_WEIGHTS = ["model.embed_tokens.weight"]
 
 
-def _weight_sync_error(ray: Any, trainers: list[Any], workers: list[Any]) -> tuple[float, float]:
+def _weight_sync_error(ray: Any, trainers: list[Any], workers: list[Any], timeout_s: float) -> tuple[float, float]:
     """How far the engines' and the other ranks' weights are from rank 0's, on a parameter all
     name the same; and rank 0's own sum of it. Every rank is asked (a collective under ZeRO-3)."""
-    expected, *others = ray.get([t.param_sums.remote(CHECKED_WEIGHTS) for t in trainers])
+    expected, *others = _wait(ray, [t.param_sums.remote(CHECKED_WEIGHTS) for t in trainers],
+                              "the trainers' weight check", timeout_s)
     worst = 0.0
-    for sums in others + ray.get([w.param_sums.remote(CHECKED_WEIGHTS) for w in workers]):
+    for sums in others + _wait(ray, [w.param_sums.remote(CHECKED_WEIGHTS) for w in workers],
+                               "the engines' weight check", timeout_s):
         for name, value in expected.items():
             if name not in sums:
                 continue

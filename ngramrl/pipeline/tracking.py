@@ -17,11 +17,13 @@ logger = logging.getLogger(__name__)
 
 
 class Tracker:
-    def __init__(self, config: TrackingSection, run_config: dict[str, Any], output_dir: str) -> None:
+    def __init__(self, config: TrackingSection, run_config: dict[str, Any], output_dir: str,
+                 append: bool = False) -> None:
+        """``append``: a resumed run's records follow the earlier run's in ``metrics.jsonl``."""
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.directory: str | None = None
         self.run: Any = None
-        open(self.path, "w").close()
+        open(self.path, "a" if append else "w").close()
         if config.wandb == "disabled":
             return
         try:

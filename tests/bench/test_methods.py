@@ -153,3 +153,13 @@ def test_known_j_counts_b_among_the_likeliest_tokens_after_the_true_j():
         assert method.tally.steps == 1
         found[budget] = method.tally.known_j_hits
     assert found == {1: 0, 2: 1}
+
+
+def test_a_prompt_first_met_in_a_replayed_epoch_drafts_nothing():
+    """The replay's rule for ngramrl: a prompt with no earlier epoch is not known, so its rollout
+    drafts nothing, not even from its own repeating output (the drafter's default, registering
+    new prompts, is for live use)."""
+    loop = [300, 301, 302, 303] * 10
+    rollouts = [Rollout("a", 0, 0, [1, 5, 6], list(range(100, 120))), Rollout("new", 1, 0, [1, 7, 8], loop)]
+    result = replay(toy_trace(rollouts), make_method("ngramrl"), 8)
+    assert result.forwards == result.tokens == len(loop)

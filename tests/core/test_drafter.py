@@ -44,14 +44,63 @@ def test_k_bounds_the_draft_and_zero_k_gives_nothing():
     assert drafter.propose(request, 0).tokens == []
 
 
-def test_unknown_prompt_gets_an_empty_draft_not_an_error():
+def test_unregistered_unknown_prompt_gets_an_empty_draft_and_leaves_nothing():
     history, drafter = make()
     history.add_rollout("p", PROMPT, [10, 11], epoch=0)
-    request = drafter.start("r", "never-seen", PROMPT)
+    request = drafter.start("r", "never-seen", PROMPT, register=False)
     assert drafter.propose(request).tokens == []
     drafter.commit(request, [10, 11])
     assert drafter.propose(request).tokens == []
-    drafter.finish(request)
+    drafter.finish(request, epoch=0)
+    assert "never-seen" not in history
+
+
+def test_the_readme_example_drafts_for_a_new_prompt_and_learns_its_rollouts():
+    """The natural calls: start a request of a prompt never seen, commit, finish with an epoch.
+    It drafts from its own output at once, and its rollout serves the prompt's next request."""
+    history, drafter = make(use_global=False)
+    request = drafter.start("q17/sample0", "q17", PROMPT)
+    output = [10, 11, 12, 13, 10, 11, 12, 13, 2]
+    for token in output[:5]:
+        drafter.propose(request)
+        drafter.commit(request, [token])
+    assert drafter.propose(request).tokens[:3] == [11, 12, 13]  # its own output repeats
+    drafter.commit(request, output[5:])
+    drafter.finish(request, epoch=0)
+    assert history.rollout_count("q17") == 1
+    sibling = drafter.start("q17/sample1", "q17", PROMPT)
+    assert drafter.propose(sibling, 4).tokens == [10, 11, 12, 13]  # the first rollout is history now
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda d, r: d.start("r", "p", PROMPT), "request id 'r' is already in flight"),
+    (lambda d, r: d.start("s", "p", [1, "2"]), r"prompt\[1\] is not an integer token id: '2'"),
+    (lambda d, r: d.start("s", "p", [1, -3]), r"prompt\[1\] = -3 is negative"),
+    (lambda d, r: d.start("s", "p", [1, 2.5]), r"prompt\[1\] is not an integer token id: 2.5"),
+    (lambda d, r: d.start("s", "p", 7), "prompt must be a sequence of token ids"),
+    (lambda d, r: d.commit(r, [4, -1]), r"committed tokens\[1\] = -1 is negative"),
+    (lambda d, r: d.commit(r, 4), "committed tokens must be a sequence of token ids"),
+    (lambda d, r: d.defer(r, [None]), r"committed tokens\[0\] is not an integer token id"),
+    (lambda d, r: d.finish(r, epoch=-1), "epoch must be an integer >= 0"),
+    (lambda d, r: d.history.add_rollout("p", PROMPT, [1, True], 0), r"output\[1\] is not a token id"),
+    (lambda d, r: d.history.add_rollout("p", PROMPT, [1], epoch="1"), "epoch must be an integer >= 0"),
+])
+def test_misuse_gets_a_clear_error(call, message):
+    history, drafter = make()
+    history.add_rollout("p", PROMPT, [10, 11], epoch=0)
+    request = drafter.start("r", "p", PROMPT)
+    with pytest.raises(ValueError, match=message):
+        call(drafter, request)
+
+
+def test_numpy_token_ids_are_taken_and_a_finished_id_may_be_reused():
+    np = pytest.importorskip("numpy")
+    history, drafter = make()
+    request = drafter.start("r", "p", np.array(PROMPT))
+    drafter.commit(request, np.array([10, 11]))
+    assert request.output == [10, 11] and all(type(t) is int for t in request.prompt + request.output)
+    drafter.finish(request, epoch=0)
+    drafter.finish(drafter.start("r", "p", PROMPT))  # the id is free again once finished
 
 
 def test_own_output_loop_is_continued_cyclically():
@@ -128,7 +177,7 @@ def test_global_token_cap_evicts_least_recently_used_prompts():
     assert history.stored_tokens <= 30
     assert "mid" not in history and "old" in history and "new" in history
     assert history.evicted_prompts == 1
-    request = drafter.start("r", "mid", PROMPT)  # evicted: decodes on with empty drafts
+    request = drafter.start("r", "mid", PROMPT, register=False)  # evicted: decodes on with empty drafts
     assert drafter.propose(request).tokens == []
 
 
@@ -187,14 +236,22 @@ def test_outcome_sources_are_the_prompt_index_then_the_cross_prompt_one():
     drafter.propose(request, 4)
     sources = drafter.outcome_sources(request)
     assert [index for index, _ in sources] == [history.index_of("p"), history.global_index()]
-    assert drafter.outcome_sources(drafter.start("x", "unknown", [5])) == []
+    assert drafter.outcome_sources(drafter.start("x", "unknown", [5], register=False)) == []
 
 
-@pytest.mark.parametrize("bad", [dict(max_draft=-1), dict(min_confidence=1.5), dict(min_match=0), dict(levels=0),
-                                 dict(path_width=0)])
-def test_config_rejects_bad_values(bad):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("bad, message", [
+    (dict(max_draft=-1), "max_draft must be >= 0"), (dict(min_confidence=1.5), "min_confidence"),
+    (dict(min_match=0), "min_match"), (dict(stop_tokens=2), "stop_tokens must be a list of integers, got 2"),
+    (dict(stop_tokens="2"), "stop_tokens must be a list of integers"), (dict(stop_tokens=[2, -1]), "token ids >= 0"),
+    (dict(max_draft="16"), "max_draft must be an integer, got '16'"), (dict(use_global="no"), "true or false"),
+    (dict(levels=0), "levels and path_width must be >= 1"), (dict(path_width=0), "levels and path_width must be >= 1")])
+def test_config_rejects_bad_values(bad, message):
+    with pytest.raises(ValueError, match=message):
         DrafterConfig(**bad)
+
+
+def test_config_takes_any_sequence_of_stop_tokens():
+    assert DrafterConfig(stop_tokens=[2, 7]).stop_tokens == (2, 7)
 
 
 def test_history_config_rejects_bad_values():

@@ -52,6 +52,8 @@ def test_workload_falls_back_to_file_name(tmp_path):
         ([json.dumps(HEADER), rollout_line(epoch=1), rollout_line(epoch=0, sample=1)], 3, "epoch goes backwards"),
         ([json.dumps(HEADER), rollout_line(), rollout_line(sample=1, prompt=[1, 6])], 3, "different prompt tokens"),
         ([json.dumps(HEADER), rollout_line(epoch=-1)], 2, "'epoch' must be an integer >= 0"),
+        ([json.dumps(HEADER), rollout_line(), rollout_line(sample=1), rollout_line(output=[8])], 4,
+         "rollout (prompt_id 'a', epoch 0, sample 0) appears twice (first on line 2)"),
         ([json.dumps(HEADER), rollout_line(finish_reason="eos")], 2, "finish_reason"),
         ([json.dumps(HEADER), rollout_line(prompt_id=3)], 2, "'prompt_id' must be a string"),
         ([json.dumps(HEADER), rollout_line(output=[1.5])], 2, "not an integer"),

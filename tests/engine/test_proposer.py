@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ngramrl.config import EngineConfig, NgramRLConfig
+from ngramrl.config import EngineConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.cost import FixedStepCost, StepCostModel
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, _cpu_list, config_to_env, prefetch_plan
 
@@ -28,8 +28,9 @@ class FakeRunner:
         self.input_batch.req_ids.remove(req_id)
 
 
-def make_proposer(monkeypatch, cost, k=4, prefetch="off", **engine):
-    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch, **engine))))
+def make_proposer(monkeypatch, cost, k=4, prefetch="off", prefetch_config=None, **engine):
+    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch, **engine),
+                                                               prefetch=prefetch_config or PrefetchConfig())))
     vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
                                   model_config=SimpleNamespace(max_model_len=4096,
                                                                hf_config=SimpleNamespace(eos_token_id=2)),
@@ -307,3 +308,4 @@ def test_prefetch_setting_is_checked():
     assert EngineConfig(prefetch=True).prefetch == "on"  # older configs said true / false
     with pytest.raises(ValueError, match="EngineConfig.prefetch"):
         EngineConfig(prefetch="sometimes")
+

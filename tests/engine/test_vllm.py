@@ -100,7 +100,7 @@ def test_sampled_distribution_and_mixed_batch_unchanged(tiny_model_dir, tmp_path
 
 def test_steps_without_drafts_sample_exactly_as_without_speculation(tiny_model_dir, tmp_path):
     """A proposer that never drafts (every draft cut) must give the very tokens of no speculation,
-    seeded sampled rows included: steps without drafts sample like plain steps (plugin item 5)."""
+    seeded sampled rows included: steps without drafts sample like plain steps (docs/vllm.md)."""
     never = {"drafter": {"min_confidence": 1.0}}
     requests = [{"prompt": PROMPTS[f"p{i % 4}"], "prompt_id": f"p{i % 4}", "epoch": 0, "max_tokens": 24,
                  "temperature": 0.0 if i % 3 == 0 else 0.9, "top_k": -1 if i % 3 == 0 else 20,

@@ -1,5 +1,5 @@
-"""The plugin's recovered-token sampler (plugin item 4), checked against the residual distribution
-it must draw from, and the rows sampled in steps without drafts (item 5). (The real engine's
+"""The plugin's recovered-token sampler (``sample_without``), checked against the residual distribution
+it must draw from, and the rows sampled in steps without drafts (``bonus_logits``). (The real engine's
 sampled distributions are checked in test_vllm.py.)"""
 
 from types import SimpleNamespace

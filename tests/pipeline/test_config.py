@@ -63,7 +63,74 @@ def test_cli_rejects_bad_config_before_ray(tmp_path, capsys):
     path.write_text("pool:\n  shards: 0\n")
     assert main(["train", "--config", str(path)]) == 2
     assert "pool: shards must be >= 1, got 0" in capsys.readouterr().err
-    assert main(["train", "--check", "--config", os.path.join(ROOT, "ray_configs", "cpu_default.yaml")]) == 0
+    assert main(["train", "--check", "--config", os.path.join(ROOT, "ray_configs", "cpu_default.yaml"),
+                 "--set", f"run.output_dir={tmp_path / 'run'}"]) == 0
+
+
+def model_dir(path):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text("{}")
+    return str(path)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.top_k=-7"], "rollout: top_k must be -1 or 0 (no top-k) or >= 1, got -7"),
+    (["rollout.top_k=[1,"], "override 'rollout.top_k=[1,': the value '[1,' is not valid YAML"),
+    (["rollout.temperature=[a"], "the value '[a' is not valid YAML"),
+    (["=3"], "override '=3' must look like section.key=value"),
+    (["run..steps=3"], "must look like section.key=value"),
+    (["run.steps"], "must look like section.key=value"),
+    (["run.output_dir={tmp}/a-file"], "run: output_dir '{tmp}/a-file' is a file, not a directory"),
+    (["model.path={tmp}"], "model: path '{tmp}' is a directory but not a model directory (it holds no config.json"),
+    (["model.path={tmp}/a-file"], "is a file; give a model directory"),
+    (["model.path=models/tiny"], "path 'models/tiny': no such model directory (models/ exists here, so this is taken "
+                                 "for a local path, not a Hugging Face id"),
+    (["trainer.learning_rate=fast"], "trainer.learning_rate must be a number, got 'fast'"),
+    (["run.if_exists=append"], "run: if_exists must be one of refuse, resume, overwrite"),
+])
+def test_check_catches_what_would_fail_later(tmp_path, monkeypatch, overrides, message):
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    fill = lambda text: text.format(tmp=tmp_path)  # noqa: E731
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [fill(o) for o in overrides])
+    assert fill(message) in str(err.value)
+
+
+def test_a_local_model_directory_and_a_hub_id_are_accepted(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model_dir(tmp_path / "models" / "tiny")
+    assert load_config(None, ["model.path=models/tiny"]).model.path == "models/tiny"
+    assert load_config(None, ["model.path=HuggingFaceTB/SmolLM2-135M-Instruct"]).model.path.startswith("Hugging")
+
+
+@pytest.mark.parametrize("where", ["set", "yaml"])
+def test_floats_in_exponent_notation_are_numbers(tmp_path, where):
+    """PyYAML reads 1e-6 (no dot) as a string; a float field takes it as the number it means."""
+    if where == "set":
+        config = load_config(None, ["trainer.learning_rate=1e-6", "rollout.temperature=6E-1"])
+    else:
+        path = tmp_path / "c.yaml"
+        path.write_text("trainer:\n  learning_rate: 1e-6\nrollout:\n  temperature: 6E-1\n")
+        config = load_config(str(path))
+    assert config.trainer.learning_rate == 1e-6 and config.rollout.temperature == 0.6
+    with pytest.raises(ConfigError, match="run.steps must be an integer, got '1e3'"):
+        load_config(None, ["run.steps=1e3"])  # not for integer fields
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n"])
+def test_an_empty_config_file_is_refused(tmp_path, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="empty.yaml: is empty .*leave out --config to run the built-in defaults"):
+        load_config(str(path))
+
+
+def test_a_directory_as_config_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory, not a YAML config file"):
+        load_config(str(tmp_path))
+
 
 
 def test_a_reasoning_gym_workload_names_a_task_that_exists():
@@ -80,3 +147,10 @@ def test_a_reasoning_gym_workload_names_a_task_that_exists():
         load_config(None, ["workload.name=reasoning_gym"])
     with pytest.raises(ConfigError, match="task is for the reasoning_gym workload"):
         load_config(None, ["workload.task=products"])
+    # The default config names a task; choosing another workload with --set leaves the task behind.
+    default = os.path.join(ROOT, "ray_configs", "cpu_default.yaml")
+    assert load_config(default, []).workload.task == "products"
+    other = load_config(default, ["workload.name=gsm"]).workload
+    assert other.name == "gsm" and other.task is None and other.task_settings == {}
+    with pytest.raises(ConfigError, match="task is for the reasoning_gym workload"):
+        load_config(default, ["workload.name=gsm", "workload.task=chain_sum"])

@@ -6,7 +6,7 @@ import pytest
 
 from ngramrl.config import NgramRLConfig, PrefetchConfig
 from ngramrl.core.trace import Rollout
-from ngramrl.pipeline.pool import DrafterShard, StepItem, shard_of
+from ngramrl.pipeline.pool import DrafterShard, SnapshotError, StepItem, shard_of
 
 PROMPT = [1, 2, 3, 4]
 REPEAT = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -69,9 +69,71 @@ def test_snapshot_round_trip(tmp_path):
     assert other.load(path) == 2
     for prompt_id, prompt, output in (("p", PROMPT, [5]), ("p", PROMPT, REPEAT[:4]), ("q", [9, 9], [1])):
         assert other.lookup(prompt_id, prompt, output, 6) == shard.lookup(prompt_id, prompt, output, 6)
-    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
-    with pytest.raises(OSError):
-        other.load(str(tmp_path / "bad.json.gz"))
+
+
+
+def write_snapshot(path, data):
+    import gzip
+    import json
+
+    with gzip.open(path, "wt") as handle:
+        handle.write(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def owned_prompt(shard, shards):
+    return next(f"q{i}" for i in range(100) if shard_of(f"q{i}", shards) == shard)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"not gzip", "not a readable drafter snapshot"),
+    ("{truncated", "not a readable drafter snapshot"),
+    ("[1, 2]", "not a drafter snapshot"),
+    ({"version": 1, "shard": 0, "prompts": []}, "version 1"),
+    ({"version": 2, "shard": 1, "shards": 2, "prompts": []}, "holds shard 1 of a pool of 2 shards; this is shard 0"),
+    ({"version": 2, "shard": 0, "shards": 3, "prompts": []}, "holds shard 0 of a pool of 3 shards; this is shard 0"),
+    ({"version": 2, "shard": 0, "shards": 2, "prompts": "x"}, "'prompts' is not a list"),
+    ({"version": 2, "shard": 0, "shards": 2, "prompts": [[owned_prompt(1, 2), [1], []]]}, "belongs to shard 1"),
+    ({"version": 2, "shard": 0, "shards": 2, "prompts": [[owned_prompt(0, 2), [1, -4], []]]}, "is negative"),
+    ({"version": 2, "shard": 0, "shards": 2, "prompts": [[owned_prompt(0, 2), [1], [[0, ["a"]]]]]},
+     "not an integer token id"),
+])
+def test_a_bad_snapshot_is_refused_naming_its_file_and_the_history_is_kept(tmp_path, content, message):
+    shard = DrafterShard(0, NgramRLConfig(), stop_tokens=(99,), shards=2)
+    shard.add_rollouts([("p", PROMPT, REPEAT + [99], 0)])
+    before = shard.lookup("p", PROMPT, [5], 4)
+    path = tmp_path / "shard-0.json.gz"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        write_snapshot(path, content)
+    with pytest.raises(SnapshotError, match=message) as err:
+        shard.load(str(path))
+    assert str(err.value).startswith(f"{path}: ")
+    assert shard.lookup("p", PROMPT, [5], 4) == before and before[0]
+
+
+def test_a_snapshot_records_its_shard_and_shard_count(tmp_path):
+    shard = DrafterShard(1, NgramRLConfig(), shards=3)
+    prompt_id = owned_prompt(1, 3)
+    shard.add_rollouts([(prompt_id, PROMPT, REPEAT, 0)])
+    path = shard.save(str(tmp_path / "shard-1.json.gz"))
+    assert DrafterShard(1, NgramRLConfig(), shards=3).load(path) == 1
+    for index, shards in ((0, 3), (1, 2)):
+        with pytest.raises(SnapshotError, match=f"holds shard 1 of a pool of 3 shards; this is shard {index}"):
+            DrafterShard(index, NgramRLConfig(), shards=shards).load(path)
+
+
+def test_shard_latency_samples_are_bounded():
+    from ngramrl.pipeline.pool import RECENT
+
+    shard = shard_with_history(budget=2)
+    shard.step([StepItem("r", "p", [5], 4, prompt=PROMPT, before=[])], [])
+    for _ in range(RECENT + 10):
+        shard.step([StepItem("r", "p", [], 0)], [])
+        shard.prefetch(["r"], 4)
+    assert len(shard.stats.step_us) == len(shard.stats.prefetch_us) == RECENT
+    assert shard.health()["step_us_median"] is not None
 
 
 def test_shard_of_is_stable_and_spreads():
@@ -116,6 +178,19 @@ def test_pool_rebuilds_a_killed_shard_and_restores_saved_state(local_ray, tmp_pa
         assert pool.health()[1] is None
         assert pool.heal() == [1] and pool.restarts == 1
         assert [pool.lookup(*q) for q in queries()] == before
+        # OpenRLHF's engines feed the shards themselves, past the driver: the shard's own journal
+        # still rebuilds it.
+        direct = [(r.prompt_id, list(r.prompt), list(r.output), r.epoch) for r in rollouts(2)]
+        local_ray.get([handle.add_rollouts.remote([record for record in direct
+                                                   if shard_of(record[0], 3) == index])
+                       for index, handle in enumerate(pool.handles)])
+        fed = [pool.lookup(*q) for q in queries()]
+        assert fed != before
+        for index in (1, 2):
+            local_ray.kill(pool.handles[index], no_restart=True)
+        assert pool.heal() == [1, 2]
+        assert [pool.lookup(*q) for q in queries()] == fed
+        before = fed
         pool.save()
         fresh = DrafterPool(3, NgramRLConfig(), (99,), namespace="ngramrl-test-pool",
                             snapshot_dir=str(tmp_path / "other"), name_prefix="t2", num_cpus=0)
@@ -124,6 +199,23 @@ def test_pool_rebuilds_a_killed_shard_and_restores_saved_state(local_ray, tmp_pa
             assert [fresh.lookup(*q) for q in queries()] == before
             with pytest.raises(FileNotFoundError, match="no saved drafter shard"):
                 fresh.restore(str(tmp_path / "nowhere"))
+            # Damaged, swapped or from another shard count: refused naming the file, not a Ray traceback.
+            swapped = tmp_path / "swapped"
+            swapped.mkdir()
+            for index in range(3):
+                os.link(tmp_path / "pool" / f"shard-{(index + 1) % 3}.json.gz", swapped / f"shard-{index}.json.gz")
+            with pytest.raises(SnapshotError, match=f"{swapped / 'shard-0.json.gz'}: holds shard 1 of a pool of 3"):
+                fresh.restore(str(swapped))
+            (swapped / "shard-1.json.gz").unlink()
+            (swapped / "shard-1.json.gz").write_bytes(b"garbage")
+            os.link(tmp_path / "pool" / "shard-0.json.gz", swapped / "shard-3.json.gz")
+            with pytest.raises(SnapshotError, match="shard-3.json.gz: a snapshot of a pool of more shards"):
+                fresh.restore(str(swapped))
+            (swapped / "shard-3.json.gz").unlink()
+            (swapped / "shard-0.json.gz").unlink()
+            os.link(tmp_path / "pool" / "shard-0.json.gz", swapped / "shard-0.json.gz")
+            with pytest.raises(SnapshotError, match=f"{swapped / 'shard-1.json.gz'}: not a readable drafter snap"):
+                fresh.restore(str(swapped))
         finally:
             fresh.shutdown()
     finally:

@@ -120,3 +120,70 @@ def test_training_changes_the_policy_and_the_engines_follow(model_2k, tmp_path):
     assert second.kl > 0                                      # away from the reference
     # ... and vLLM holds the same weights
     assert max(first.weight_sync_error, second.weight_sync_error) < 1e-4, (first, second)
+
+
+def test_sigint_saves_the_run_and_resume_continues_it(model_2k, tmp_path):
+    """Ctrl-C in the middle of a run keeps what it did (metrics, trace, pool) and exits 130; a
+    second run into the directory is refused; --resume goes on: its steps and each prompt's epochs
+    continue, it appends, and it drafts from the restored pool at once."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from ngramrl.cli import main
+    from ngramrl.pipeline.config import ConfigError
+    from ngramrl.pipeline.run import train
+
+    out = tmp_path / "run"
+    config = run_config(model_2k, out)
+    sets = [a for key, value in _flat(config.to_dict()) for a in ("--set", f"{key}={json.dumps(value)}")
+            if key.split(".")[0] in ("model", "run", "workload", "rollout", "pool", "tracking") or key.startswith(
+                "ngramrl.engine")]
+    cli = subprocess.Popen([sys.executable, "-m", "ngramrl.cli", "train", *sets, "--set", "run.steps=50"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(
+                               os.path.abspath(__file__))))})
+    try:
+        for line in cli.stdout:
+            if line.startswith("step   1 "):
+                break
+        cli.send_signal(signal.SIGINT)
+        _, err = cli.communicate(timeout=300)
+    finally:
+        cli.kill()
+    assert cli.returncode == 130, err[-3000:]
+    assert "interrupted in step" in err and "saved metrics.jsonl" in err and "continue it with --resume" in err
+    steps_done = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps_done[:2] == [0, 1]
+    assert (out / "pool" / "shard-0.json.gz").exists() and (out / "pool" / "shard-1.json.gz").exists()
+    saved = read_trace(str(out / "rollouts.jsonl.gz")).rollouts
+    assert {r.epoch for r in saved} >= {0, 1}
+    next_step = max(steps_done[-1], max(r.policy_version for r in saved)) + 1
+    metrics_before = (out / "metrics.jsonl").read_text()
+
+    with pytest.raises(ConfigError, match="holds an earlier run"):
+        train(run_config(model_2k, out, "run.steps=1"))
+    assert (out / "metrics.jsonl").read_text() == metrics_before
+    assert main(["train", "--check", *sets, "--resume"]) == 0
+
+    resumed = train(run_config(model_2k, out, "run.steps=1", "run.if_exists=resume"))
+    first = resumed.steps[0]
+    assert first.step == next_step
+    assert first.tokens_per_forward > 3.0, first          # warm at once: the pool was restored
+    assert (out / "metrics.jsonl").read_text().startswith(metrics_before)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == len(steps_done) + 1
+    trace = read_trace(str(out / "rollouts.jsonl.gz")).rollouts
+    for prompt_id in {r.prompt_id for r in trace}:
+        mine = sorted({r.epoch for r in trace if r.prompt_id == prompt_id})
+        assert mine == list(range(len(mine))) and len(mine) >= 3  # epochs continue, no restart at 0
+        assert sum(r.prompt_id == prompt_id for r in trace) == 4 * len(mine)
+    assert (out / "config-resume-1.json").exists() and (out / "config.json").exists()
+
+
+def _flat(tree, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "engine_args":
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value

@@ -1,0 +1,149 @@
+"""A run's output directory: checked before anything starts, never emptied by accident.
+
+    plan = plan_run_dir(config)      # checks only (``ngramrl train --check`` stops here)
+    earlier = plan.prepare()         # overwrite: delete the earlier run's files; resume: read them
+
+A directory holding an earlier run's files is refused unless ``run.if_exists`` says ``resume``
+(the new steps append to its metrics and trace, each prompt's epochs continue after its last
+one, and the drafter pool starts from its snapshots) or ``overwrite`` (the earlier run's files,
+and only those, are deleted first).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+from ngramrl.core.trace import Rollout, read_trace
+from ngramrl.paths import OutputPaths, inside
+from ngramrl.pipeline.config import ConfigError, TrainConfig
+from ngramrl.pipeline.pool import check_snapshots
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+TRACE_FILE = "rollouts.jsonl.gz"
+POOL_DIR = "pool"
+WANDB_DIR = "wandb"
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TRACE_FILE, POOL_DIR, WANDB_DIR)
+RESUMED_CONFIG = "config-resume-{}.json"
+
+
+@dataclass
+class EarlierRun:
+    """What a resumed run takes over from the run before it."""
+
+    next_step: int = 0                                           # the first step number of this run
+    next_epoch: dict[str, int] = field(default_factory=dict)    # per prompt: its next epoch
+    rollouts: list[Rollout] = field(default_factory=list)       # the trace so far
+    records: list[dict[str, Any]] = field(default_factory=list)  # summary.json so far
+    pool_dir: str | None = None                                  # its drafter pool snapshots
+    resumes: int = 0                                             # earlier resumptions of it
+
+
+@dataclass
+class RunDirPlan:
+    path: str                 # absolute output directory
+    mode: str                 # "new", "resume" or "overwrite"
+    found: list[str]          # the earlier run's files in it
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def prepare(self) -> EarlierRun:
+        """Make the directory ready: create it, delete an overwritten run's files, or read what a
+        resumed one left (validated: a corrupted trace is reported with its file and line)."""
+        os.makedirs(self.path, exist_ok=True)
+        if self.mode == "overwrite":
+            for name in self.found:
+                target = self.file(name)
+                shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+            for stale in glob.glob(self.file(TRACE_FILE + ".tmp-*")):
+                os.remove(stale)
+            return EarlierRun()
+        if self.mode != "resume":
+            return EarlierRun()
+        return read_earlier_run(self.path)
+
+    def config_file(self) -> str:
+        """Where this run's configuration goes: config.json, or config-resume-N.json when resuming
+        (the earlier run's configuration is kept)."""
+        if self.mode != "resume" or not os.path.exists(self.file(CONFIG_FILE)):
+            return self.file(CONFIG_FILE)
+        n = 1
+        while os.path.exists(self.file(RESUMED_CONFIG.format(n))):
+            n += 1
+        return self.file(RESUMED_CONFIG.format(n))
+
+
+def read_earlier_run(path: str) -> EarlierRun:
+    earlier = EarlierRun()
+    trace_path = os.path.join(path, TRACE_FILE)
+    if os.path.exists(trace_path):
+        earlier.rollouts = read_trace(trace_path).rollouts
+        for rollout in earlier.rollouts:
+            earlier.next_epoch[rollout.prompt_id] = max(earlier.next_epoch.get(rollout.prompt_id, 0),
+                                                        rollout.epoch + 1)
+            if rollout.policy_version is not None:
+                earlier.next_step = max(earlier.next_step, rollout.policy_version + 1)
+    summary_path = os.path.join(path, SUMMARY_FILE)
+    if os.path.exists(summary_path):
+        try:
+            with open(summary_path, encoding="utf-8") as handle:
+                earlier.records = json.load(handle)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{summary_path}: cannot be read to resume the run ({err})") from None
+        if not isinstance(earlier.records, list):
+            raise ConfigError(f"{summary_path}: not a run summary (a list of step records)")
+    metrics_path = os.path.join(path, METRICS_FILE)
+    if os.path.exists(metrics_path):
+        with open(metrics_path, encoding="utf-8") as handle:
+            for line_no, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    raise ConfigError(f"{metrics_path}:{line_no}: not a metrics record (JSON with a step)") from None
+                earlier.next_step = max(earlier.next_step, int(step) + 1)
+    if glob.glob(os.path.join(path, POOL_DIR, "shard-*.json.gz")):
+        earlier.pool_dir = os.path.join(path, POOL_DIR)
+    earlier.resumes = len(glob.glob(os.path.join(path, RESUMED_CONFIG.format("*"))))
+    return earlier
+
+
+def plan_run_dir(config: TrainConfig) -> RunDirPlan:
+    """Check the output directory and every path the run writes, changing nothing."""
+    run = config.run
+    outputs = OutputPaths(inputs=[p for p in (config.model.path, config.pool.restore_from)
+                                  if p and os.path.exists(os.path.expanduser(p))])
+    path = outputs.directory(run.output_dir, "run.output_dir")
+    for name in RUN_FILES:
+        target = os.path.join(path, name)
+        wants_dir = name in (POOL_DIR, WANDB_DIR)
+        if os.path.exists(target) and os.path.isdir(target) != wants_dir:
+            kind = "a file" if wants_dir else "a directory"
+            raise ConfigError(f"run.output_dir {run.output_dir!r}: {target} is {kind}; the run writes "
+                              f"{'a directory' if wants_dir else 'a file'} there")
+    found = [name for name in RUN_FILES if os.path.exists(os.path.join(path, name))]
+    mode = "new"
+    if found:
+        if run.if_exists == "refuse":
+            raise ConfigError(
+                f"run.output_dir {run.output_dir!r} holds an earlier run ({', '.join(found)}); continue it with "
+                f"--resume (run.if_exists=resume), replace it with --overwrite (run.if_exists=overwrite), or "
+                f"choose another run.output_dir")
+        mode = run.if_exists
+    restore = config.pool.restore_from
+    if restore and mode == "overwrite" and inside(os.path.expanduser(restore), path):
+        raise ConfigError(f"pool.restore_from {restore!r} lies in run.output_dir {run.output_dir!r}, whose "
+                          f"earlier run --overwrite deletes; copy the snapshots elsewhere first")
+    if config.rollout.draft == "ngramrl":  # the snapshots it will restore: checked now, not after Ray starts
+        snapshots = os.path.expanduser(restore) if restore else os.path.join(path, POOL_DIR)
+        if restore or (mode == "resume" and glob.glob(os.path.join(snapshots, "shard-*.json.gz"))):
+            check_snapshots(snapshots, config.pool.shards)
+    return RunDirPlan(path, mode, found)

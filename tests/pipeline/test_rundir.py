@@ -1,0 +1,90 @@
+"""The run directory: an earlier run is refused, resumed or overwritten, never lost by accident."""
+
+import json
+
+import pytest
+
+from ngramrl.config import NgramRLConfig
+from ngramrl.core.trace import Rollout, TraceHeader, write_trace
+from ngramrl.pipeline.config import ConfigError, load_config
+from ngramrl.pipeline.pool import DrafterShard, SnapshotError
+from ngramrl.pipeline.rundir import plan_run_dir
+
+
+def earlier_run(out):
+    """What a 3-step run leaves: prompt a trained in steps 0 and 2, b in step 1."""
+    out.mkdir()
+    rollouts = [Rollout("a", 0, s, [1], [5, 2], policy_version=0) for s in range(2)]
+    rollouts += [Rollout("b", 0, s, [3], [6, 2], policy_version=1) for s in range(2)]
+    rollouts += [Rollout("a", 1, s, [1], [7, 2], policy_version=2) for s in range(2)]
+    write_trace(str(out / "rollouts.jsonl.gz"), TraceHeader(vocab_size=10, eos_token_ids=[2]), rollouts)
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward": 0.5}) + "\n" for s in range(3)))
+    (out / "summary.json").write_text(json.dumps([{"step": s} for s in range(3)]))
+    (out / "config.json").write_text("{}")
+    for index in range(2):  # the default pool.shards
+        DrafterShard(index, NgramRLConfig(), shards=2).save(str(out / "pool" / f"shard-{index}.json.gz"))
+    (out / "notes.txt").write_text("mine")
+    return out
+
+
+def plan(out, *overrides):
+    return plan_run_dir(load_config(None, [f"run.output_dir={out}", *overrides]))
+
+
+def test_an_earlier_run_is_refused_and_left_alone(tmp_path):
+    out = earlier_run(tmp_path / "run")
+    with pytest.raises(ConfigError, match="holds an earlier run .*config.json, metrics.jsonl, summary.json"):
+        plan(out)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_overwrite_deletes_the_earlier_runs_files_only(tmp_path):
+    out = earlier_run(tmp_path / "run")
+    earlier = plan(out, "run.if_exists=overwrite").prepare()
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert earlier.next_step == 0 and earlier.next_epoch == {} and earlier.rollouts == []
+
+
+def test_resume_continues_steps_and_each_prompts_epochs(tmp_path):
+    out = earlier_run(tmp_path / "run")
+    resumed = plan(out, "run.if_exists=resume")
+    earlier = resumed.prepare()
+    assert earlier.next_step == 3
+    assert earlier.next_epoch == {"a": 2, "b": 1}
+    assert len(earlier.rollouts) == 6 and len(earlier.records) == 3
+    assert earlier.pool_dir == str(out / "pool")
+    assert resumed.config_file() == str(out / "config-resume-1.json")
+    (out / "config-resume-1.json").write_text("{}")
+    assert resumed.config_file() == str(out / "config-resume-2.json")
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["rollouts.jsonl.gz", "metrics.jsonl", "summary.json", "config.json", "config-resume-1.json", "pool",
+         "notes.txt"])  # nothing deleted
+
+
+def test_resume_into_an_empty_directory_is_a_new_run(tmp_path):
+    resumed = plan(tmp_path, "run.if_exists=resume")
+    assert resumed.mode == "new" and resumed.prepare().next_step == 0
+
+
+def test_a_damaged_earlier_run_is_reported_before_anything_starts(tmp_path):
+    out = earlier_run(tmp_path / "run")
+    (out / "metrics.jsonl").write_text('{"step": 0}\nnot json\n')
+    with pytest.raises(ConfigError, match=r"metrics.jsonl:2: not a metrics record"):
+        plan(out, "run.if_exists=resume").prepare()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda pool: (pool / "shard-1.json.gz").write_bytes(b"garbage"), "shard-1.json.gz: not a readable drafter snap"),
+    (lambda pool: (pool / "shard-1.json.gz").unlink(), "shard-1.json.gz: no saved drafter shard 1"),
+    (lambda pool: (pool / "shard-0.json.gz").rename(pool / "shard-2.json.gz"), "a snapshot of a pool of more shards"),
+    (lambda pool: (pool / "shard-0.json.gz").write_bytes((pool / "shard-1.json.gz").read_bytes()),
+     "shard-0.json.gz: holds shard 1 of a pool of 2 shards"),
+])
+def test_the_snapshots_a_run_restores_are_checked_before_anything_starts(tmp_path, damage, message):
+    out = earlier_run(tmp_path / "run")
+    damage(out / "pool")
+    with pytest.raises((SnapshotError, FileNotFoundError), match=message):
+        plan(out, "run.if_exists=resume")
+    with pytest.raises((SnapshotError, FileNotFoundError), match=message):
+        plan(tmp_path / "other", f"pool.restore_from={out / 'pool'}")
+    plan(out, "run.if_exists=resume", "rollout.draft=none")  # nothing to restore: not checked
