@@ -31,7 +31,7 @@ def _bench(args: argparse.Namespace) -> int:
                        else BenchConfig.__dataclass_fields__["methods"].default_factory())
     config = BenchConfig(traces=traces, methods=args.method or default_methods, ks=args.k or [16], budget=args.budget,
                          sweep=SWEEP_BUDGETS if args.sweep or args.coverage_plot else [], regime=args.regime,
-                         by_epoch=args.by_epoch)
+                         by_epoch=args.by_epoch, tree_width=args.tree_width)
     outputs = OutputPaths(inputs=traces)  # checked now: a bad path must not cost a replay
     args.json = outputs.file(args.json, "--json")
     args.plot = outputs.file(args.plot, "--plot")
@@ -192,9 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="replay rollout traces through drafters (shared/spec/bench-contract.md)")
     bench.add_argument("traces", nargs="*", metavar="TRACE",
                        help="trace files (.jsonl or .jsonl.gz); default: the traces shipped with ngramrl")
-    bench.add_argument("--method", action="append", help="ngramrl, suffix, pld, none or oracle (repeatable)")
+    bench.add_argument("--method", action="append",
+                       help="ngramrl, ngramrl-tree, suffix, pld, none, oracle or oracle-prompt (repeatable; all)")
     bench.add_argument("--k", type=int, action="append", help="most draft tokens per step, 1-256 (repeatable; 16)")
     bench.add_argument("--budget", type=int, default=16, help="prefetch candidates per request per step")
+    bench.add_argument("--tree-width", type=int, default=4,
+                       help="most root-to-leaf paths of an ngramrl-tree draft (its k tokens are the tree's nodes)")
     bench.add_argument("--json", help="also write the results as JSON here")
     bench.add_argument("--plot", help="write a PNG of tokens per forward by method and trace")
     bench.add_argument("--sweep", action="store_true",

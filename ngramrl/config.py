@@ -93,7 +93,9 @@ class DrafterConfig:
     min_match: int = 1                 # shortest context match (tokens) that may produce a draft
     rematch_tokens: int = 32           # context tokens re-read when an index was rebuilt
     use_self: bool = True              # also draft from the request's own output (loops, repeats)
-    use_global: bool = True            # fall back to other prompts' rollouts when they match longer
+    use_global: bool = True            # other prompts' rollouts take the estimate's mass this prompt leaves
+    levels: int = 3                    # suffix levels per index the continuation estimate interpolates
+    path_width: int = 1                # root paths compared when choosing a chain by expected accepted length
     stop_tokens: tuple[int, ...] = ()  # end-of-sequence ids: nothing after them is ever accepted
 
     def __post_init__(self) -> None:
@@ -106,6 +108,9 @@ class DrafterConfig:
             raise ValueError(f"DrafterConfig.min_confidence must be in [0, 1], got {self.min_confidence}")
         if self.min_match < 1 or self.rematch_tokens < 1:
             raise ValueError("DrafterConfig.min_match and rematch_tokens must be >= 1")
+        if self.levels < 1 or self.path_width < 1:
+            raise ValueError(f"DrafterConfig.levels and path_width must be >= 1, got {self.levels}, "
+                             f"{self.path_width}")
 
 
 @dataclass

@@ -26,13 +26,14 @@ def test_bench_writes_contract_json_table_and_plot(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["ngramrl_bench"] == 1
     runs = data["runs"]
-    methods = ("ngramrl", "suffix", "pld", "none", "oracle", "oracle-prompt")
+    methods = ("ngramrl", "ngramrl-tree", "suffix", "pld", "none", "oracle", "oracle-prompt")
     assert {(r["method"], r["k"]) for r in runs} == {(m, k) for m in methods for k in (16, 8)}
     for run in runs:
         assert run["workload"] == "toy" and run["trace"] == trace and run["rollouts"] == 8
         assert run["tokens_per_forward"] == round(run["tokens"] / run["forwards"], 4)
         assert set(run) >= {"trace", "workload", "method", "k", "rollouts", "tokens", "forwards",
                             "tokens_per_forward", "coverage", "draft_us_per_step"}
+        assert ("tree_width" in run) == (run["method"] == "ngramrl-tree")
     table = capsys.readouterr().out
     assert "ngramrl" in table and "x suffix" in table
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -167,6 +168,19 @@ def test_project_skips_a_method_whose_package_is_missing_and_says_so(tmp_path, c
                  "--flush-mb", "0", "--json", str(out)]) == 0
     assert "skipping suffix: arctic-inference is not installed" in capsys.readouterr().out
     assert {r["method"] for r in json.loads(out.read_text())["runs"]} == {"none", "pld"}
+
+
+
+def test_bench_tree_method_takes_its_width(tmp_path, capsys):
+    trace = small_trace(tmp_path / "toy.jsonl")
+    out = tmp_path / "tree.json"
+    assert main(["bench", trace, "--method", "ngramrl-tree", "--tree-width", "2", "--json", str(out),
+                 "--no-progress"]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["method"] == "ngramrl-tree" and run["tree_width"] == 2 and run["coverage"] is None
+    assert main(["bench", trace, "--method", "ngramrl-tree", "--tree-width", "0", "--no-progress"]) == 2
+    assert "--tree-width must be >= 1" in capsys.readouterr().err
+
 
 def no_replay(monkeypatch):
     """Fail the test if a replay starts: the checks below must come before any work."""

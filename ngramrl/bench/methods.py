@@ -15,10 +15,12 @@ from typing import Protocol
 
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.automaton import SuffixAutomaton
-from ngramrl.core.drafter import Draft, MatchState, NgramDrafter, RequestState, advance
+from ngramrl.core.drafter import Draft, NgramDrafter, RequestState
+from ngramrl.core.estimate import MatchState, advance, continuation_estimates, step_sources
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, predict_for
 from ngramrl.core.trace import Rollout
+from ngramrl.core.tree import DraftTree
 
 
 class _BigramHistory:
@@ -56,7 +58,7 @@ class ReplayMethod(Protocol):
 
     def add_history(self, rollouts: list[Rollout]) -> None: ...
     def start(self, rollout: Rollout) -> None: ...
-    def propose(self, k: int) -> list[int]: ...
+    def propose(self, k: int) -> list[int] | DraftTree: ...
     def background(self) -> None: ...
     def commit(self, tokens: list[int]) -> None: ...
     def finish(self) -> None: ...
@@ -104,6 +106,10 @@ class CoverageTally:
     state_spent_ns: int = 0                                   # computing the states
     state_hits: int = 0                                       # steps whose j had its state ready
     state_hidden_ns: int = 0                                  # time those steps saved
+    # The part of the gap that predicting j leaves: steps whose b is among the outcome model's
+    # ``known_j_budget`` likeliest tokens at the true j (what that budget covers if j were known).
+    known_j_budget: int = 0
+    known_j_hits: int = 0
 
     @property
     def hidden_ns(self) -> float:
@@ -133,14 +139,16 @@ class NgramRLMethod:
     name = "ngramrl"
 
     def __init__(self, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
-                 prefetch: PrefetchConfig | None = None, budgets: list[int] | None = None) -> None:
+                 prefetch: PrefetchConfig | None = None, budgets: list[int] | None = None,
+                 known_j_budget: int = 0) -> None:
         self.history = RolloutHistory(history)
         self.drafter = NgramDrafter(self.history, drafter)
         self.prefetch = prefetch or PrefetchConfig()
         self.calibration = AcceptanceCalibration(self.prefetch.prior_strength, self.prefetch.calibration_decay)
         self.request: RequestState | None = None
         self.last_draft: Draft | None = None
-        self.tally = CoverageTally(sorted(set(budgets or [])))
+        self.tally = CoverageTally(sorted(set(budgets or [])), known_j_budget=known_j_budget)
+        self._known_j: list[set[int]] = []
         self._sweep_allocation = PrefetchConfig(budget=max(self.tally.budgets or [0]), levels=self.prefetch.levels)
         self._ceiling = _BigramHistory()
         self._outcomes: list[Outcome] = []
@@ -210,6 +218,8 @@ class NgramRLMethod:
                     self.tally.hits[budget] = self.tally.hits.get(budget, 0) + 1
             context_last = tokens[-2] if len(tokens) > 1 else self._ceiling.last
             self.tally.ceiling_hits += self._ceiling.seen(context_last, tokens[-1])
+            if self.tally.known_j_budget:
+                self.tally.known_j_hits += accepted < len(self._known_j) and tokens[-1] in self._known_j[accepted]
         self._ceiling.extend(tokens)
 
     def _predict(self, draft: Draft, k: int) -> None:
@@ -231,6 +241,21 @@ class NgramRLMethod:
         self.tally.prefetch_ns.append(spent)
         self.tally.spent_ns += spent
         self._prefetch_states(sources, draft, {j for j, _ in keys})
+        if self.tally.known_j_budget:
+            self._known_j = self._likeliest_b(sources, draft, self.tally.known_j_budget)
+
+    def _likeliest_b(self, sources: list, draft: Draft, budget: int) -> list[set[int]]:
+        """For every j, the ``budget`` tokens the outcome model rates likeliest as b after
+        d_1..d_j (its P(b | j))."""
+        out = []
+        at = list(sources)
+        for j in range(len(draft.tokens) + 1):
+            rejected = draft.tokens[j] if j < len(draft.tokens) else -1
+            estimates = continuation_estimates(at, self.prefetch.levels, budget, rejected, 0)
+            out.append({token for _, token in estimates})
+            if j < len(draft.tokens):
+                at = step_sources(at, draft.tokens[j])
+        return out
 
     def _prefetch_states(self, sources: list, draft: Draft, accepted: set[int]) -> None:
         """The match-state design, measured beside the other: the states after d_1..d_j for the
@@ -280,6 +305,31 @@ class NgramRLMethod:
         assert self.request is not None
         self.drafter.finish(self.request, epoch=None)
         self.request = None
+
+
+class NgramRLTreeMethod(NgramRLMethod):
+    """ngramrl's draft trees: at most k tokens in at most ``width`` root-to-leaf paths, grown
+    best-first by estimated path probability (docs/drafter.md); a tree of k tokens costs what a
+    chain of k tokens costs to verify."""
+
+    name = "ngramrl-tree"
+
+    def __init__(self, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
+                 width: int = 4) -> None:
+        super().__init__(history, drafter)
+        if width < 1:
+            raise ValueError(f"--tree-width must be >= 1, got {width}")
+        self.width = width
+
+    def propose(self, k: int) -> DraftTree:  # type: ignore[override]
+        assert self.request is not None
+        tree = self.drafter.lookup_tree(self.request, k, self.width)
+        self.drafter.absorb(self.request)
+        self.last_draft = None
+        return tree
+
+    def background(self) -> None:
+        pass
 
 
 # vLLM's defaults for its ``suffix`` method (SuffixDecoding)
@@ -503,13 +553,16 @@ class PromptOracleMethod(OracleMethod):
         return future[:self._history_run(self.context[-1], future)]
 
 
-METHOD_NAMES = ("ngramrl", "suffix", "pld", "none", "oracle", "oracle-prompt")
+METHOD_NAMES = ("ngramrl", "ngramrl-tree", "suffix", "pld", "none", "oracle", "oracle-prompt")
 
 
 def make_method(name: str, drafter: DrafterConfig | None = None, history: HistoryConfig | None = None,
-                prefetch: PrefetchConfig | None = None, budgets: list[int] | None = None) -> ReplayMethod:
+                prefetch: PrefetchConfig | None = None, budgets: list[int] | None = None,
+                tree_width: int = 4) -> ReplayMethod:
     if name == "ngramrl":
         return NgramRLMethod(history, drafter, prefetch, budgets)
+    if name == "ngramrl-tree":
+        return NgramRLTreeMethod(history, drafter, tree_width)
     if name == "suffix":
         return SuffixMethod()
     if name == "pld":

@@ -3,7 +3,9 @@
 Warm-cache regime: rollouts of epoch 0 only build history; each rollout of epoch e >= 1 is
 replayed with what was known before epoch e started. One step proposes a draft of at most k
 tokens, accepts its longest prefix equal to the recorded tokens, and commits that prefix plus
-one token from the target (fewer at the end of the output): one target forward.
+one token from the target (fewer at the end of the output): one target forward. A method may
+propose a draft tree of at most k nodes instead; the step then accepts its longest root path that
+the recorded tokens follow.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from itertools import groupby
 
 from ngramrl.bench.methods import ReplayMethod
 from ngramrl.core.trace import Rollout, Trace
+from ngramrl.core.tree import DraftTree
 
 
 @dataclass
@@ -30,6 +33,7 @@ class ReplayResult:
     accepted_hist: list[int] = field(default_factory=list)  # accepted draft tokens -> steps
     step_ns: list[int] = field(default_factory=list)
     coverage: dict | None = None
+    tree_width: int | None = None  # root-to-leaf paths of a tree method's drafts
 
     @property
     def tokens_per_forward(self) -> float:
@@ -51,6 +55,7 @@ class ReplayResult:
             "tokens_per_forward": round(self.tokens_per_forward, 4),
             "coverage": self.coverage,
             "draft_us_per_step": None if self.draft_us_per_step is None else round(self.draft_us_per_step, 3),
+            **({} if self.tree_width is None else {"tree_width": self.tree_width}),
         }
 
 
@@ -63,13 +68,25 @@ def accepted_prefix(draft: list[int], truth: list[int]) -> int:
     return n
 
 
+def accepted_length(draft: list[int] | DraftTree, truth: list[int], k: int) -> int:
+    """Draft tokens a step accepts: the longest prefix of a chain (at most k tokens) equal to the
+    recorded tokens, or the longest root path of a tree (at most k nodes) that they follow. For
+    drafts without probabilities that is what exact verification accepts when the target samples
+    the recorded tokens."""
+    if isinstance(draft, DraftTree):
+        if len(draft) > k:
+            raise ValueError(f"a draft tree of {len(draft)} nodes exceeds k = {k}")
+        return len(draft.accept(truth))
+    return accepted_prefix(draft[:k], truth)
+
+
 def replay(
     trace: Trace,
     method: ReplayMethod,
     k: int,
     trace_name: str | None = None,
     on_rollout: Callable[[], None] | None = None,
-    on_step: Callable[[list[int], int, Rollout, int], None] | None = None,
+    on_step: Callable[[list[int] | DraftTree, int, Rollout, int], None] | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` through ``method``. ``on_step(draft, accepted, rollout, position)`` sees every step."""
     result = ReplayResult(trace_name or trace.path, trace.workload, method.name, k)
@@ -87,7 +104,7 @@ def replay(
                     draft = method.propose(k)
                     result.step_ns.append(clock() - begin)
                     method.background()  # overlaps the target's forward: not drafting time
-                    accepted = accepted_prefix(draft[:k], output[position:])
+                    accepted = accepted_length(draft, output[position:], k)
                     committed = output[position:position + accepted + 1]
                     if on_step is not None:
                         on_step(draft, accepted, rollout, position)

@@ -91,7 +91,8 @@ def plot_tokens_per_forward(results: list[ReplayResult], path: str, k: int) -> N
     methods = list(dict.fromkeys(r.method for r in results if r.k == k))
     width = 0.8 / max(1, len(methods))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(traces) + 2), 4.2))
-    colors = {"ngramrl": "#d62728", "suffix": "#1f77b4", "pld": "#2ca02c", "none": "#7f7f7f", "oracle": "#bbbbbb",
+    colors = {"ngramrl": "#d62728", "ngramrl-tree": "#ff9896", "suffix": "#1f77b4", "pld": "#2ca02c",
+              "none": "#7f7f7f", "oracle": "#bbbbbb",
               "oracle-prompt": "#e8e8e8"}
     top = 0.0
     for i, method in enumerate(methods):
@@ -122,11 +123,16 @@ def format_sweep(results: list[ReplayResult]) -> str:
     if not rows:
         return ""
     budgets = list(rows[0].coverage["sweep"])
-    header = f"{'coverage at budget B':<34} " + " ".join(f"{'B=' + b:>7}" for b in budgets) + f" {'ceiling':>8}"
+    header = (f"{'coverage at budget B':<34} " + " ".join(f"{'B=' + b:>7}" for b in budgets)
+              + f" {'ceiling':>8} {'known j':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
         values = " ".join(f"{r.coverage['sweep'][b]:>7.3f}" for b in budgets)
-        lines.append(f"{os.path.basename(r.trace).split('.jsonl')[0][:34]:<34} {values} {r.coverage['ceiling']:>8.3f}")
+        known = r.coverage.get("known_j")
+        lines.append(f"{os.path.basename(r.trace).split('.jsonl')[0][:34]:<34} {values} {r.coverage['ceiling']:>8.3f} "
+                     f"{'-' if known is None else f'{known:.3f}':>8}")
+    lines.append(f"known j: steps whose b is among the outcome model's {rows[0].coverage['budget']} likeliest "
+                 "tokens at the true j (the budget's coverage if j were known)")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ import os
 import statistics
 from dataclasses import dataclass, field
 
-from ngramrl.bench.methods import METHOD_NAMES, CoverageTally, NgramRLMethod, make_method
+from ngramrl.bench.methods import METHOD_NAMES, CoverageTally, NgramRLMethod, NgramRLTreeMethod, make_method
 from ngramrl.bench.replay import ReplayResult, replay
 from ngramrl.bench.siblings import SIBLING_METHODS, make_sibling_method, replay_siblings
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
@@ -31,6 +31,7 @@ class BenchConfig:
     ks: list[int] = field(default_factory=lambda: [16])
     budget: int = 16
     sweep: list[int] = field(default_factory=list)  # extra budgets whose coverage is also measured
+    tree_width: int = 4  # root-to-leaf paths of ngramrl-tree's drafts
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     history: HistoryConfig = field(default_factory=HistoryConfig)
     regime: str = "epochs"
@@ -57,6 +58,8 @@ class BenchConfig:
                 raise ValueError(f"--k must be between 1 and {MAX_K} (the most draft tokens per step), got {k}")
         if self.budget < 1:
             raise ValueError(f"--budget must be >= 1, got {self.budget}")
+        if self.tree_width < 1:
+            raise ValueError(f"--tree-width must be >= 1, got {self.tree_width}")
 
 
 def _median_us(values: list[int]) -> float | None:
@@ -198,16 +201,19 @@ def run_bench(config: BenchConfig, progress: bool = True) -> list[ReplayResult]:
             for name in config.methods:
                 bar.set_postfix_str(f"{trace.workload} k={k} {name}")
                 method = make_method(name, drafter_for(trace, config.drafter), config.history,
-                                     PrefetchConfig(budget=config.budget), [config.budget])
+                                     PrefetchConfig(budget=config.budget), [config.budget], config.tree_width)
                 result = replay(trace, method, k, trace.path, on_rollout=lambda: bar.update(1))
-                if isinstance(method, NgramRLMethod):
+                if isinstance(method, NgramRLTreeMethod):
+                    result.tree_width = method.width
+                elif isinstance(method, NgramRLMethod):
                     result.coverage = coverage_report(method.tally, config.budget)
                     if config.sweep and k == config.ks[0]:
                         # A separate replay: predicting the top 64 would inflate the main run's timings.
                         swept = NgramRLMethod(config.history, drafter_for(trace, config.drafter),
-                                              PrefetchConfig(budget=0), config.sweep)
+                                              PrefetchConfig(budget=0), config.sweep, known_j_budget=config.budget)
                         replay(trace, swept, k, trace.path)
                         result.coverage["sweep"] = {str(b): round(swept.tally.value(b), 4) for b in config.sweep}
+                        result.coverage["known_j"] = round(swept.tally.known_j_hits / max(1, swept.tally.steps), 4)
                 results.append(result)
     bar.close()
     return results

@@ -182,7 +182,8 @@ class SuffixAutomaton:
         return state, matched
 
     def continuations(self, state: int) -> list[tuple[int, int]]:
-        """All (token, count) that followed this state, most frequent first (cached until it changes)."""
+        """All (token, count) that followed this state, most frequent first; among equal counts the
+        state's best continuation (the newest) first, then by token id (cached until it changes)."""
         stamp = self.followed[state]
         cached = self._ranked.get(state)
         if cached is not None and cached[0] == stamp:
@@ -192,6 +193,7 @@ class SuffixAutomaton:
         if children is None:
             token = self.best_token[state]
             return [] if token < 0 else [(token, count[self.best_state[state]])]
-        ranked = sorted(((t, count[u]) for t, u in children.items()), key=lambda tc: -tc[1])
+        best = self.best_token[state]
+        ranked = sorted(((t, count[u]) for t, u in children.items()), key=lambda tc: (-tc[1], tc[0] != best, tc[0]))
         self._ranked[state] = (stamp, ranked)
         return ranked

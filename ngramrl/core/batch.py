@@ -49,7 +49,8 @@ import numpy as np
 
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.cost import FixedStepCost, choose_draft_lengths, probe_lengths
-from ngramrl.core.drafter import EMPTY, Draft, MatchState, NgramDrafter, RequestState, advance
+from ngramrl.core.drafter import EMPTY, Draft, NgramDrafter, RequestState
+from ngramrl.core.estimate import MatchState, advance
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival, allocate, predict_for
 

@@ -6,14 +6,16 @@ For a request (prompt id, prompt, output so far) it proposes up to k tokens:
    recent rollouts and its siblings in flight. The request keeps its match state there: the longest
    suffix of its context seen in that index, and how long it is. Committing tokens moves the state
    in O(1) amortised time per token.
-2. **Continuation.** From the matched state (backed off along suffix links to the first state that
-   has continuations) the draft follows, token by token, the continuation that followed most often
-   (newest on ties). Where the matched occurrences end, it backs off to a shorter suffix and goes
-   on, which also continues loops. The chance that each drafted token follows, given the tokens
-   before it, is estimated from the same counts (Witten-Bell); the draft stops when the product
-   falls under ``min_confidence``, at a stop token, or after k tokens.
-3. **Cross-prompt fallback.** When other prompts' rollouts match a longer suffix than this
-   prompt's index, the draft comes from them instead.
+2. **Estimate.** The chance that each token follows comes from ``continuation_estimates``
+   (``ngramrl/core/estimate.py``): the suffix levels of the context in this prompt's index,
+   interpolated longest first (Witten-Bell), then other prompts' rollouts (the cross-prompt
+   index) for the mass this prompt's history leaves unexplained.
+3. **Chain.** The draft takes the likeliest token, steps the match states by it, and goes on
+   (``extend_path``): where occurrences end shorter contexts take over, which also continues
+   loops. It stops after k tokens, at a stop token, where nothing is known, or when the product of
+   the estimates falls under ``min_confidence``. With ``path_width`` > 1 the path is chosen by
+   expected accepted length in a best-first draft tree first (``ngramrl/core/tree.py``), and
+   ``lookup_tree`` returns such a tree itself.
 
 The request's own committed tokens enter its prompt's index right after the next draft was made
 (``absorb``), never in between: so the next draft is a pure function of the index and the tokens
@@ -25,8 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ngramrl.config import DrafterConfig
-from ngramrl.core.automaton import ROOT, SuffixAutomaton
+from ngramrl.core.automaton import SuffixAutomaton
+from ngramrl.core.estimate import MatchState, Source, advance
 from ngramrl.core.history import RolloutHistory, token_ids
+from ngramrl.core.tree import DraftTree, choose_path, extend_path, grow_tree
 
 
 @dataclass
@@ -57,14 +61,6 @@ EMPTY = Draft([])
 
 
 @dataclass
-class MatchState:
-    """Where a context stands in one index: a state and the length of the suffix it matches."""
-
-    state: int = ROOT
-    matched: int = 0
-
-
-@dataclass
 class RequestState:
     """What the drafter tracks for one generating request."""
 
@@ -81,14 +77,6 @@ class RequestState:
     global_match: MatchState = field(default_factory=MatchState)
     global_behind: list[int] = field(default_factory=list)  # committed, not yet stepped into ``global_match``
     layout: int = -1  # history layout the index references were checked under
-
-
-def advance(index: SuffixAutomaton, match: MatchState, tokens: list[int]) -> MatchState:
-    state, matched = match.state, match.matched
-    step = index.step
-    for token in tokens:
-        state, matched = step(state, matched, token)
-    return MatchState(state, matched)
 
 
 class NgramDrafter:
@@ -235,11 +223,32 @@ class NgramDrafter:
         ``at`` = (n, states): the match states after the context and ``after[:n]``, one per source
         of ``outcome_sources`` (computed ahead by the outcome model), so only the rest is stepped."""
         k = self.config.max_draft if k is None else k
-        if not request.known or k <= 0:
+        if k <= 0:
             return EMPTY
+        sources = self.sources(request, after, at)
+        return self.chain(sources, k) if sources else EMPTY
+
+    def lookup_tree(self, request: RequestState, k: int, width: int, after: list[int] | None = None) -> DraftTree:
+        """A draft tree of at most ``k`` tokens and ``width`` root-to-leaf paths for the current
+        context followed by ``after``, without changing the request."""
+        sources = self.sources(request, after) if k > 0 else []
+        if not sources:
+            return DraftTree()
+        config = self.config
+        tree, _ = grow_tree(sources, k, width, config.levels, config.min_match, config.min_confidence,
+                            config.stop_tokens)
+        tree.matched = sources[0][1].matched
+        return tree
+
+    def sources(self, request: RequestState, after: list[int] | None = None,
+                at: tuple[int, list[MatchState]] | None = None) -> list[Source]:
+        """The match states of the context followed by ``after`` in the prompt's index and, with
+        ``use_global``, the cross-prompt index ([] for a request without drafts)."""
+        if not request.known:
+            return []
         index = self.index(request)
         if index is None:
-            return EMPTY
+            return []
         self.catch_up(request, index)
         after = after or []
         skip, states = at if at is not None else (0, [])
@@ -247,7 +256,7 @@ class NgramDrafter:
             match = advance(index, states[0], after[skip:])
         else:
             match = advance(index, request.match, after) if after else request.match
-        best = self.walk(index, match, k, "prompt")
+        sources: list[Source] = [(index, match)]
         if self.config.use_global:
             global_index = self.history.global_index()
             if request.global_index is not global_index:
@@ -259,43 +268,44 @@ class NgramDrafter:
                 global_match = advance(global_index, states[1], after[skip:])
             else:
                 global_match = advance(global_index, request.global_match, after) if after else request.global_match
-            if global_match.matched > best.matched:
-                other = self.walk(global_index, global_match, k, "global")
-                if other.tokens:
-                    best = other
-        return best
+            sources.append((global_index, global_match))
+        return sources
 
-    def walk(self, index: SuffixAutomaton, match: MatchState, k: int, source: str) -> Draft:
-        """Follow the most frequent continuation from a match (backing off where occurrences end)."""
-        link, length, count, nxt = index.link, index.length, index.count, index.next
-        best_token, best_state, followed = index.best_token, index.best_state, index.followed
-        min_match = self.config.min_match
-        state, matched = match.state, min(match.matched, index.length[match.state])
-        while best_token[state] < 0 and length[state] > min_match:
-            state = link[state]
-            matched = length[state]
-        if best_token[state] < 0 or matched < min_match:
-            return Draft([], matched=matched)
-        tokens: list[int] = []
-        probs: list[float] = []
-        floor = self.config.min_confidence
-        stop = self.config.stop_tokens
-        survive = 1.0
-        while True:
-            token, child = best_token[state], best_state[state]
-            # Witten-Bell: unseen continuations get the mass of one per distinct token seen.
-            children = nxt[state]
-            p = count[child] / (followed[state] + (1 if children is None else len(children)))
-            survive *= p
-            if survive < floor:
-                break
-            tokens.append(token)
-            probs.append(p)
-            if len(tokens) >= k or token in stop:
-                break
-            state = child
-            while best_token[state] < 0 and length[link[state]] >= min_match:
-                state = link[state]
-            if best_token[state] < 0:
-                break
-        return Draft(tokens, probs, matched, source)
+    def chain(self, sources: list[Source], k: int) -> Draft:
+        """The chain draft from match states ``sources``: the root path of largest expected accepted
+        length in the best-first tree of ``k`` nodes and ``path_width`` paths, continued with the
+        likeliest token at each step up to ``k`` tokens."""
+        config = self.config
+        if config.path_width == 1:  # the tree of width 1 is this chain, without the tree's bookkeeping
+            tokens, probs = extend_path(sources, 1.0, k, config.levels, config.min_match, config.min_confidence,
+                                        config.stop_tokens)
+            source = self._source_of(sources, tokens[0]) if tokens else "none"
+            return Draft(tokens, probs, sources[0][1].matched, source)
+        tree, node_sources = grow_tree(sources, k, config.path_width, config.levels, config.min_match,
+                                       config.min_confidence, config.stop_tokens)
+        path = choose_path(tree)
+        if not path:
+            return Draft([], matched=sources[0][1].matched)
+        tokens = [tree.tokens[i] for i in path]
+        probs = [tree.probs[i] for i in path]
+        if len(tokens) < k and tokens[-1] not in config.stop_tokens:
+            more, more_probs = extend_path(node_sources[path[-1]], tree.path_probs[path[-1]], k - len(tokens),
+                                           config.levels, config.min_match, config.min_confidence,
+                                           config.stop_tokens)
+            tokens += more
+            probs += more_probs
+        return Draft(tokens, probs, sources[0][1].matched, self._source_of(sources, tokens[0]))
+
+    def _source_of(self, sources: list[Source], token: int) -> str:
+        """"prompt" when the prompt's index has seen ``token`` after one of the context's suffix
+        levels the estimate reads, else "global"."""
+        index, match = sources[0]
+        state, used = match.state, 0
+        if match.matched >= self.config.min_match:
+            while used < self.config.levels and index.length[state] >= self.config.min_match:
+                if index.num_children(state):
+                    used += 1
+                    if index.child(state, token) >= 0:
+                        return "prompt"
+                state = index.link[state]
+        return "global"

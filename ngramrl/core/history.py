@@ -3,8 +3,8 @@
 Each prompt keeps its most recent finished rollouts (a count and an epoch window) in one suffix
 automaton together with its prompt tokens and the live sequences of its requests in flight, so
 a request drafts from earlier rollouts, from siblings being generated, and from its own output
-with one lookup. A cross-prompt index over all stored rollouts is the fallback. A global token
-cap evicts whole prompts, least recently used first.
+with one lookup. A cross-prompt index over all stored rollouts is the estimates' second source.
+A global token cap evicts whole prompts, least recently used first.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ emits (a correction, never d_{j+1}, when j < k; the bonus token when j = k).
 - P(j) comes from per-position acceptance chances: the drafter's own estimate for each drafted
   token, calibrated by what was observed so far (``AcceptanceCalibration``). Calibration is
   causal: it only learns from outcomes that already happened.
-- P(b | j) comes from the index: the continuations seen after the context plus d_1..d_j, without
-  d_{j+1} (it was rejected), backing off to shorter suffixes for the unseen mass (Witten-Bell),
-  and then to the other prompts' rollouts (the cross-prompt index).
+- P(b | j) is the drafter's own continuation estimate (``continuation_estimates``) after the
+  context plus d_1..d_j, given that d_{j+1} did not follow (it was rejected): the same evidence
+  the draft and its tree alternatives come from, read down to the empty context. The outcomes are
+  the branches a draft tree would grow off the sent path, scored with calibrated chances.
 - ``allocate`` spends a budget of next-draft lookups on the most probable outcomes, per request
   and optionally across a batch, so a confident request gets few candidates and an uncertain one
   many. Outcomes are disjoint events, so the top-B set maximises the chance of a hit.
@@ -21,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ngramrl.config import PrefetchConfig
-from ngramrl.core.automaton import ROOT, SuffixAutomaton
-from ngramrl.core.drafter import Draft, MatchState
+from ngramrl.core.drafter import Draft
+from ngramrl.core.estimate import MatchState, Source, continuation_estimates
 
 
 @dataclass(frozen=True, order=True)
@@ -168,45 +169,6 @@ def accepted_length_distribution(chances: list[float]) -> list[float]:
     return out
 
 
-Source = tuple[SuffixAutomaton, MatchState]  # an index and the context's match state in it
-
-
-def token_distribution(sources: list[Source], exclude: int, levels: int, limit: int,
-                       floor: float = 0.0) -> list[tuple[float, int]]:
-    """Up to ``limit`` likeliest next tokens other than ``exclude`` with their probabilities,
-    interpolating, source after source (the prompt's index, then the cross-prompt one), the first
-    ``levels`` suffix levels that have continuations (Witten-Bell: the unseen mass of a level
-    goes to the next shorter one, and after the last level to the next source). Tokens whose
-    probability is at most ``floor`` are left out."""
-    probs: dict[int, float] = {}
-    mass = 1.0
-    for index, match in sources:
-        link, followed, continuations = index.link, index.followed, index.continuations
-        state = match.state
-        used = 0
-        while used < levels and mass > floor:
-            ranked = continuations(state)
-            if ranked:
-                used += 1
-                norm = followed[state] + len(ranked)
-                for token, count in ranked:
-                    if token == exclude:
-                        norm -= count
-                        break
-                if norm <= 0:
-                    break
-                scale = mass / norm
-                for token, count in ranked[:limit + 1]:
-                    if token != exclude:
-                        probs[token] = probs.get(token, 0.0) + scale * count
-                mass *= len(ranked) / norm
-            if state == ROOT:
-                break
-            state = link[state]
-    out = sorted(((p, t) for t, p in probs.items() if p > floor), reverse=True)
-    return out[:limit]
-
-
 def predict_outcomes(sources: list[Source], draft: Draft, chances: list[float], limit: int,
                      levels: int = 3) -> list[Outcome]:
     """The ``limit`` most probable outcomes (j, b) of verifying ``draft`` from the context's match
@@ -231,7 +193,7 @@ def predict_outcomes(sources: list[Source], draft: Draft, chances: list[float], 
                 chain.append(index.step(*chain[-1], tokens[len(chain) - 1]))
             at_j.append((index, MatchState(*chain[j])))
         floor = best[0][0] / pj if len(best) == limit else 0.0
-        for p_token, token in token_distribution(at_j, tokens[j] if j < k else -1, levels, limit, floor):
+        for p_token, token in continuation_estimates(at_j, levels, limit, tokens[j] if j < k else -1, 0, floor):
             p = pj * p_token
             if len(best) < limit:
                 push(best, (p, j, token))

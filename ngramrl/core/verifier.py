@@ -1,4 +1,4 @@
-"""Exact verification of drafts that are plain token sequences (no draft probabilities).
+"""Exact verification of drafts without draft probabilities: token sequences (chains) and trees.
 
 Speculative sampling with a deterministic draft x_1..x_k keeps the target's distribution exactly:
 at position i the draft token is accepted with probability p_i(x_i); on the first rejection the
@@ -7,6 +7,10 @@ token is drawn from p_{k+1}. "Accept with p(x), else draw from p without x" has 
 "draw y ~ p, accept iff y == x", so each emitted token has exactly the target's distribution.
 Greedy rows (temperature 0) use one-hot distributions, which reduces to: accept while the draft
 equals the argmax, then emit the argmax.
+
+A draft tree (several continuations sharing prefixes) is verified by letting the target sample its
+own token at each node and descending while that token is a child (``verify_tree``): the accepted
+length is that of the longest root path the target's tokens follow.
 """
 
 from __future__ import annotations
@@ -118,3 +122,67 @@ def verify(
         dist = torch.where(usable.view(batch, 1), residual, dist)
     emitted = torch.multinomial(dist, 1, generator=generator).squeeze(-1)
     return Verification(accepted, emitted)
+
+
+@dataclass
+class TreeVerification:
+    accepted: torch.Tensor  # [B] draft tokens accepted: the length of the accepted root path
+    emitted: torch.Tensor   # [B] the token the target emits after them
+    nodes: list[list[int]]  # per row, the accepted path's nodes from the root down
+
+    def committed(self, tokens: torch.Tensor) -> list[list[int]]:
+        """Per row: the accepted path's tokens followed by the emitted token."""
+        return [[int(tokens[row, node]) for node in path] + [int(token)]
+                for row, (path, token) in enumerate(zip(self.nodes, self.emitted.tolist(), strict=True))]
+
+
+def verify_tree(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    sizes: torch.Tensor,
+    settings: SamplingSettings,
+    generator: torch.Generator | None = None,
+) -> TreeVerification:
+    """Verify a batch of draft trees (drafts without probabilities).
+
+    Row r's tree has ``sizes[r]`` nodes; node i carries ``tokens[r, i]`` and hangs under
+    ``parents[r, i]`` (-1: under the context; a parent always comes before its children).
+    logits: [B, N+1, V], position 0 the target's logits for the token after the context and
+    position i + 1 those after node i's root path; tokens, parents: [B, N]; sizes: [B] in 0..N.
+
+    From the root, the target samples its own token y at the current node (its processed
+    distribution: temperature, top-k, top-p; the argmax for greedy rows); if a child of the node
+    carries y the walk descends into it, otherwise y is emitted and the row is done (at a leaf
+    every y is emitted: the bonus token). Every token committed is then a draw from the target's
+    distribution given the tokens before it, whatever the tree: exact. A chain is the tree whose
+    node i hangs under node i - 1."""
+    batch, positions, _ = logits.shape
+    n = positions - 1
+    if tokens.shape != (batch, n) or parents.shape != (batch, n):
+        raise ValueError(f"tokens and parents must have shape {(batch, n)}, got {tuple(tokens.shape)} and "
+                         f"{tuple(parents.shape)}")
+    if bool(((sizes < 0) | (sizes > n)).any()):
+        raise ValueError(f"tree sizes must be in 0..{n}, got {sizes.tolist()}")
+    in_tree = torch.arange(n).view(1, n) < sizes.view(batch, 1)
+    if bool((in_tree & ((parents < -1) | (parents >= torch.arange(n).view(1, n)))).any()):
+        raise ValueError("every node's parent must be -1 or an earlier node of its tree")
+    probs = target_probs(logits, settings)
+    rows = torch.arange(batch)
+    current = torch.full((batch,), -1, dtype=torch.long)
+    active = torch.ones(batch, dtype=torch.bool)
+    emitted = torch.zeros(batch, dtype=torch.long)
+    nodes: list[list[int]] = [[] for _ in range(batch)]
+    while bool(active.any()):
+        y = torch.multinomial(probs[rows, current + 1], 1, generator=generator).squeeze(-1)
+        match = in_tree & (parents == current.view(batch, 1)) & (tokens == y.view(batch, 1))
+        found = match.any(dim=-1) & active
+        child = match.long().argmax(dim=-1)
+        for row in found.nonzero().flatten().tolist():
+            nodes[row].append(int(child[row]))
+        done = active & ~found
+        emitted = torch.where(done, y, emitted)
+        current = torch.where(found, child, current)
+        active = found
+    accepted = torch.tensor([len(path) for path in nodes], dtype=torch.long)
+    return TreeVerification(accepted, emitted, nodes)

@@ -193,8 +193,8 @@ public:
         return m;
     }
 
-    // The first ``m`` continuations of a state, most frequent first, ties in insertion order
-    // (the reference's stable sort of its children dict), and how many there are in all.
+    // The first ``m`` continuations of a state in SuffixAutomaton.continuations' order (count, then
+    // the best continuation, then token id), and how many there are in all.
     int32_t ranked(int32_t state, size_t m, std::vector<std::pair<int32_t, int32_t>>& out) const {
         out.clear();
         const State& s = states_[state];
@@ -208,13 +208,13 @@ public:
             std::lock_guard<std::mutex> lock(rank_mutex_);
             KidList& cache = const_cast<KidList&>(kl);
             if (cache.top_stamp != s.followed || cache.top.size() < std::min(m, kl.items.size())) {
-                rank_into(kl, std::max(m, kRankCacheSize), cache.top);
+                rank_into(kl, s.best_token, std::max(m, kRankCacheSize), cache.top);
                 cache.top_stamp = s.followed;
             }
             out.assign(cache.top.begin(), cache.top.begin() + std::min(m, cache.top.size()));
             return total;
         }
-        rank_into(kl, m, out);
+        rank_into(kl, s.best_token, m, out);
         return total;
     }
 
@@ -305,20 +305,21 @@ private:
         }
     }
 
-    void rank_into(const KidList& kl, size_t m, std::vector<std::pair<int32_t, int32_t>>& out) const {
-        // (count, position) ordered by count descending, then position: a stable sort's order.
-        thread_local std::vector<std::pair<int32_t, int32_t>> order;
+    void rank_into(const KidList& kl, int32_t best, size_t m, std::vector<std::pair<int32_t, int32_t>>& out) const {
+        // SuffixAutomaton.continuations: count descending, then the best continuation, then token id.
+        thread_local std::vector<std::pair<int32_t, int32_t>> order;  // (count, token)
         order.clear();
         order.reserve(kl.items.size());
-        for (size_t i = 0; i < kl.items.size(); ++i)
-            order.emplace_back(states_[kl.items[i].second].count, static_cast<int32_t>(i));
-        auto before = [](const std::pair<int32_t, int32_t>& a, const std::pair<int32_t, int32_t>& b) {
-            return a.first != b.first ? a.first > b.first : a.second < b.second;
+        for (const auto& item : kl.items) order.emplace_back(states_[item.second].count, item.first);
+        auto before = [best](const std::pair<int32_t, int32_t>& a, const std::pair<int32_t, int32_t>& b) {
+            if (a.first != b.first) return a.first > b.first;
+            if ((a.second == best) != (b.second == best)) return a.second == best;
+            return a.second < b.second;
         };
         size_t take = std::min(m, order.size());
         std::partial_sort(order.begin(), order.begin() + take, order.end(), before);
         out.clear();
-        for (size_t i = 0; i < take; ++i) out.emplace_back(kl.items[order[i].second].first, order[i].first);
+        for (size_t i = 0; i < take; ++i) out.emplace_back(order[i].second, order[i].first);
     }
 };
 

@@ -185,7 +185,7 @@ struct Request {
 
 struct DrafterConfig {
     int32_t max_draft = 16;
-    WalkConfig walk;
+    ChainConfig chain;
     int32_t rematch_tokens = 32;
     bool use_global = true;
 };
@@ -862,20 +862,19 @@ private:
     void lookup_from(const Automaton* index, const Request& base, const int32_t* extra, size_t n_extra, LookState& ls,
                      int32_t k, Automaton* global, DraftOut& out) const {
         catch_up(index, base, extra, n_extra, ls, global);
-        walk(*index, ls.match, k, SOURCE_PROMPT, config_.walk, out);
-        if (!config_.use_global) return;
-        if (ls.global_serial != global->serial) {
-            ls.global = global;
-            ls.global_serial = global->serial;
-            thread_local Tokens tail;
-            context_tail(base, extra, n_extra, config_.rematch_tokens, tail);
-            ls.global_match = global->advance(Match{}, tail.data(), tail.size());
+        thread_local std::vector<SourceMatch> sources;
+        sources.assign(1, SourceMatch{index, ls.match});
+        if (config_.use_global) {
+            if (ls.global_serial != global->serial) {
+                ls.global = global;
+                ls.global_serial = global->serial;
+                thread_local Tokens tail;
+                context_tail(base, extra, n_extra, config_.rematch_tokens, tail);
+                ls.global_match = global->advance(Match{}, tail.data(), tail.size());
+            }
+            sources.push_back(SourceMatch{global, ls.global_match});
         }
-        if (ls.global_match.matched > out.matched) {
-            thread_local DraftOut other;
-            walk(*global, ls.global_match, k, SOURCE_GLOBAL, config_.walk, other);
-            if (!other.tokens.empty()) std::swap(out, other);
-        }
+        chain(sources, k, config_.chain, out);
     }
 
     bool readable(const Request& r) const {
@@ -1025,15 +1024,18 @@ PYBIND11_MODULE(_native, m) {
     py::class_<Core>(m, "Core")
         .def(py::init([](int64_t rollouts_per_prompt, int64_t epochs_kept, int64_t max_tokens, int64_t prompt_tail,
                          int32_t max_draft, double min_confidence, int32_t min_match, int32_t rematch_tokens,
-                         bool use_global, std::vector<int32_t> stop_tokens, int32_t budget, int64_t global_budget,
+                         bool use_global, int32_t draft_levels, int32_t path_width, std::vector<int32_t> stop_tokens,
+                         int32_t budget, int64_t global_budget,
                          double min_probability, int32_t levels, double prior_strength, double calibration_decay,
                          int threads, bool follow) {
                  HistoryConfig h{rollouts_per_prompt, epochs_kept, max_tokens, prompt_tail};
                  DrafterConfig d;
                  d.max_draft = max_draft;
-                 d.walk.min_confidence = min_confidence;
-                 d.walk.min_match = min_match;
-                 d.walk.stop_tokens = std::move(stop_tokens);
+                 d.chain.min_confidence = min_confidence;
+                 d.chain.min_match = min_match;
+                 d.chain.levels = draft_levels;
+                 d.chain.path_width = path_width;
+                 d.chain.stop_tokens = std::move(stop_tokens);
                  d.rematch_tokens = rematch_tokens;
                  d.use_global = use_global;
                  PrefetchConfig p;
@@ -1043,7 +1045,7 @@ PYBIND11_MODULE(_native, m) {
              }),
              py::arg("rollouts_per_prompt"), py::arg("epochs_kept"), py::arg("max_tokens"), py::arg("prompt_tail"),
              py::arg("max_draft"), py::arg("min_confidence"), py::arg("min_match"), py::arg("rematch_tokens"),
-             py::arg("use_global"), py::arg("stop_tokens"), py::arg("budget"), py::arg("global_budget"),
+             py::arg("use_global"), py::arg("draft_levels"), py::arg("path_width"), py::arg("stop_tokens"), py::arg("budget"), py::arg("global_budget"),
              py::arg("min_probability"), py::arg("levels"), py::arg("prior_strength"), py::arg("calibration_decay"),
              py::arg("threads"), py::arg("follow"))
         .def("add_rollout",

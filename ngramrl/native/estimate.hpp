@@ -1,9 +1,10 @@
-// Estimation: how a draft is read off a match (the walk) and how verification outcomes are
-// predicted and chosen (the outcome model, the calibration, the allocator).
+// Estimation: how a draft is read off the match states (the continuation estimate, the chain and
+// its path choice) and how verification outcomes are predicted and chosen (the outcome model, the
+// calibration, the allocator).
 //
-// These follow ngramrl/core/drafter.py (NgramDrafter.walk) and ngramrl/core/outcome.py line by
-// line, with the same floating-point operations in the same order, so drafts, probabilities and
-// outcomes are bit-identical to the reference. They only read an Automaton: when the reference
+// These follow ngramrl/core/estimate.py, ngramrl/core/tree.py, NgramDrafter.chain and
+// ngramrl/core/outcome.py line by line, with the same floating-point operations in the same
+// order, so drafts, probabilities and outcomes are bit-identical to the reference. They only read an Automaton: when the reference
 // algorithm changes (how continuations are estimated, path and length choice), this file is
 // the one to follow it.
 #pragma once
@@ -33,9 +34,11 @@ struct DraftOut {
     }
 };
 
-struct WalkConfig {
+struct ChainConfig {
     int32_t min_match = 1;
     double min_confidence = 0.0;
+    int32_t levels = 3;      // suffix levels per index the continuation estimate interpolates
+    int32_t path_width = 1;  // root paths compared when choosing the chain (1: greedy)
     std::vector<int32_t> stop_tokens;
 
     bool is_stop(int32_t token) const {
@@ -45,117 +48,248 @@ struct WalkConfig {
     }
 };
 
-// NgramDrafter.walk: follow the most frequent continuation from a match, backing off where
-// the occurrences being followed end.
-inline void walk(const Automaton& a, Match m, int32_t k, int8_t source, const WalkConfig& config, DraftOut& out) {
-    out.clear();
-    int32_t state = m.state;
-    int32_t matched = std::min(m.matched, a[m.state].length);
-    const int32_t min_match = config.min_match;
-    while (a[state].best_token < 0 && a[state].length > min_match) {
-        state = a[state].link;
-        matched = a[state].length;
-    }
-    if (a[state].best_token < 0 || matched < min_match) {
-        out.matched = matched;
-        return;
-    }
-    out.matched = matched;
-    out.source = source;
-    double survive = 1.0;
-    while (true) {
-        const auto& s = a[state];
-        const int32_t token = s.best_token, child = s.best_state;
-        // Witten-Bell: unseen continuations get the mass of one per distinct token seen.
-        const double p = static_cast<double>(a[child].count) /
-                         static_cast<double>(static_cast<int64_t>(s.followed) + (s.kids < 0 ? 1 : a.num_children(state)));
-        survive *= p;
-        if (survive < config.min_confidence) break;
-        out.tokens.push_back(token);
-        out.probs.push_back(p);
-        if (static_cast<int32_t>(out.tokens.size()) >= k || config.is_stop(token)) break;
-        state = child;
-        while (a[state].best_token < 0 && a.length_at(a[state].link) >= min_match) state = a[state].link;
-        if (a[state].best_token < 0) break;
-    }
-}
-
 struct SourceMatch {
     const Automaton* index;
     Match match;
 };
 
-// outcome.token_distribution: up to ``limit`` likeliest next tokens other than ``exclude``.
-inline void token_distribution(const SourceMatch* sources, size_t num_sources, int32_t exclude, int32_t levels,
-                               int32_t limit, double floor, std::vector<std::pair<double, int32_t>>& out) {
+// estimate.continuation_estimates: up to ``limit`` likeliest next tokens other than ``exclude``,
+// as (probability, token), most likely first. Per source (the prompt's index first) the first
+// ``levels`` suffix levels with continuations and at least ``min_length`` tokens are read,
+// Witten-Bell interpolated; each level's ``limit`` most frequent continuations are the candidates,
+// each scored exactly over every level read.
+inline void continuation_estimates(const SourceMatch* sources, size_t num_sources, int32_t levels, int32_t limit,
+                                   int32_t exclude, int32_t min_length, double floor,
+                                   std::vector<std::pair<double, int32_t>>& out) {
+    struct Level {
+        const Automaton* index;
+        int32_t state;
+        double scale;  // the level's mass per occurrence
+    };
+    thread_local std::vector<Level> read;
+    thread_local std::vector<int32_t> candidates;  // in the order first met (the reference's dict)
     thread_local std::vector<std::pair<int32_t, int32_t>> ranked;
-    thread_local std::vector<std::pair<int32_t, double>> parts;  // (token, contribution) in the reference's order
-    thread_local std::vector<int32_t> order;
-    parts.clear();
+    read.clear();
+    candidates.clear();
+    out.clear();
+    auto add = [](int32_t token) {
+        for (int32_t c : candidates)
+            if (c == token) return;
+        candidates.push_back(token);
+    };
     double mass = 1.0;
     for (size_t si = 0; si < num_sources; ++si) {
         const Automaton& a = *sources[si].index;
+        if (sources[si].match.matched < min_length) continue;
         int32_t state = sources[si].match.state;
         int32_t used = 0;
-        while (used < levels && mass > floor) {
-            const int32_t total = a.ranked(state, static_cast<size_t>(limit) + 1, ranked);
-            if (total > 0) {
+        while (used < levels && mass > floor && a[state].length >= min_length) {
+            const Automaton::State& s = a[state];
+            const int32_t distinct = a.num_children(state);
+            if (distinct) {
                 used += 1;
-                int64_t norm = static_cast<int64_t>(a[state].followed) + total;
-                const int32_t excluded = exclude >= 0 ? a.child(state, exclude) : -1;
-                if (excluded >= 0) norm -= a[excluded].count;
-                if (norm <= 0) break;
-                const double scale = mass / static_cast<double>(norm);
-                for (const auto& tc : ranked)
-                    if (tc.first != exclude) parts.emplace_back(tc.first, scale * static_cast<double>(tc.second));
-                mass *= static_cast<double>(total) / static_cast<double>(norm);
+                int64_t norm = static_cast<int64_t>(s.followed) + distinct;
+                if (exclude >= 0) {
+                    const int32_t rejected = a.child(state, exclude);
+                    if (rejected >= 0) norm -= a[rejected].count;  // the level's estimate given "not exclude"
+                }
+                read.push_back(Level{&a, state, mass / static_cast<double>(norm)});
+                if (limit == 1 && s.best_token != exclude) {
+                    add(s.best_token);
+                } else {
+                    a.ranked(state, static_cast<size_t>(limit) + 1, ranked);
+                    int32_t taken = 0;
+                    for (const auto& tc : ranked) {
+                        if (tc.first == exclude) continue;
+                        if (taken++ >= limit) break;
+                        add(tc.first);
+                    }
+                }
+                mass *= static_cast<double>(distinct) / static_cast<double>(norm);
             }
             if (state == ROOT) break;
-            state = a[state].link;
+            state = s.link;
         }
     }
-    // Sum each token's contributions in the order they came (the reference's dict updates), in a
-    // small open-addressing table (generation-stamped, so it is never cleared).
-    thread_local std::vector<int32_t> slot_token, slot_sum_at;
-    thread_local std::vector<uint32_t> slot_gen;
-    thread_local uint32_t gen = 0;
-    thread_local std::vector<double> sums;
-    size_t size = 64;
-    while (size < 2 * parts.size()) size *= 2;
-    if (slot_gen.size() < size) {
-        slot_token.assign(size, 0);
-        slot_sum_at.assign(size, 0);
-        slot_gen.assign(size, 0);
-    } else {
-        size = slot_gen.size();
-    }
-    if (++gen == 0) {
-        std::fill(slot_gen.begin(), slot_gen.end(), 0);
-        gen = 1;
-    }
-    sums.clear();
-    order.clear();  // the tokens, in first-seen order
-    const size_t mask = size - 1;
-    for (const auto& part : parts) {
-        size_t at = (static_cast<uint32_t>(part.first) * 2654435761u) & mask;
-        while (slot_gen[at] == gen && slot_token[at] != part.first) at = (at + 1) & mask;
-        if (slot_gen[at] != gen) {
-            slot_gen[at] = gen;
-            slot_token[at] = part.first;
-            slot_sum_at[at] = static_cast<int32_t>(sums.size());
-            sums.push_back(0.0);
-            order.push_back(part.first);
+    thread_local std::vector<std::pair<double, int32_t>> estimates;
+    estimates.clear();
+    for (int32_t token : candidates) {
+        double p = 0.0;
+        for (const Level& level : read) {
+            const int32_t child = level.index->child(level.state, token);
+            if (child >= 0) p += level.scale * static_cast<double>((*level.index)[child].count);
         }
-        double& sum = sums[slot_sum_at[at]];
-        sum = sum + part.second;
+        estimates.emplace_back(p, token);
     }
-    out.clear();
-    for (size_t i = 0; i < sums.size(); ++i)
-        if (sums[i] > floor) out.emplace_back(sums[i], order[i]);
-    std::sort(out.begin(), out.end(), [](const std::pair<double, int32_t>& x, const std::pair<double, int32_t>& y) {
-        return x.first != y.first ? x.first > y.first : x.second > y.second;
+    if (limit == 1) {  // the first of the largest
+        int32_t top = -1;
+        double top_p = floor;
+        for (const auto& pt : estimates)
+            if (pt.first > top_p) {
+                top = pt.second;
+                top_p = pt.first;
+            }
+        if (top >= 0) out.emplace_back(top_p, top);
+        return;
+    }
+    for (const auto& pt : estimates)
+        if (pt.first > floor) out.push_back(pt);
+    std::stable_sort(out.begin(), out.end(), [](const std::pair<double, int32_t>& x, const std::pair<double, int32_t>& y) {
+        return x.first > y.first;
     });
     if (static_cast<int32_t>(out.size()) > limit) out.resize(limit);
+}
+
+inline void step_sources(std::vector<SourceMatch>& at, int32_t token) {
+    for (SourceMatch& s : at) s.match = s.index->step(s.match, token);
+}
+
+// tree.extend_path: up to ``room`` more tokens, the likeliest each time, until a stop token, no
+// evidence, or a path probability below min_confidence.
+inline void extend_path(std::vector<SourceMatch> at, double path_prob, int32_t room, const ChainConfig& config,
+                        std::vector<int32_t>& tokens, std::vector<double>& probs) {
+    thread_local std::vector<std::pair<double, int32_t>> top;
+    int32_t added = 0;
+    while (added < room) {
+        continuation_estimates(at.data(), at.size(), config.levels, 1, -1, config.min_match, 0.0, top);
+        if (top.empty()) break;
+        const double p = top[0].first;
+        const int32_t token = top[0].second;
+        path_prob *= p;
+        if (path_prob < config.min_confidence) break;
+        tokens.push_back(token);
+        probs.push_back(p);
+        ++added;
+        if (config.is_stop(token) || added >= room) break;
+        step_sources(at, token);
+    }
+}
+
+// tree.DraftTree as the chain's path choice needs it, and each node's match states.
+struct TreeOut {
+    std::vector<int32_t> tokens, parents;
+    std::vector<double> probs, path_probs;
+    std::vector<std::vector<SourceMatch>> node_sources;
+};
+
+constexpr int32_t ROOT_NODE = -1;
+
+// tree.grow_tree: the best-first tree of at most ``size`` nodes and ``width`` root-to-leaf paths.
+inline void grow_tree(const std::vector<SourceMatch>& sources, int32_t size, int32_t width, const ChainConfig& config,
+                      TreeOut& tree) {
+    tree = TreeOut{};
+    if (size <= 0 || width <= 0) return;
+    struct Candidate {
+        double path_prob;
+        int64_t order;
+        int32_t parent, token;
+        double p;
+    };
+    // heapq over (-path probability, order): the largest path probability, then the first proposed.
+    auto after = [](const Candidate& x, const Candidate& y) {
+        return x.path_prob != y.path_prob ? x.path_prob < y.path_prob : x.order > y.order;
+    };
+    std::vector<Candidate> heap;
+    int64_t proposed = 0;
+    std::vector<std::pair<double, int32_t>> estimates;
+    auto propose = [&](int32_t parent, const std::vector<SourceMatch>& at, double path_prob, int32_t limit) {
+        continuation_estimates(at.data(), at.size(), config.levels, limit, -1, config.min_match, 0.0, estimates);
+        for (const auto& pt : estimates) {
+            heap.push_back(Candidate{path_prob * pt.first, proposed++, parent, pt.second, pt.first});
+            std::push_heap(heap.begin(), heap.end(), after);
+        }
+    };
+    propose(ROOT_NODE, sources, 1.0, width);
+    std::vector<bool> has_children;
+    bool root_has_children = false;
+    int32_t leaves = 0;
+    while (!heap.empty() && static_cast<int32_t>(tree.tokens.size()) < size) {
+        std::pop_heap(heap.begin(), heap.end(), after);
+        const Candidate c = heap.back();
+        heap.pop_back();
+        if (c.path_prob < config.min_confidence) break;
+        const bool branches = c.parent == ROOT_NODE ? root_has_children : static_cast<bool>(has_children[c.parent]);
+        if (branches || c.parent == ROOT_NODE) {  // a new root-to-leaf path
+            if (leaves >= width) continue;
+            leaves += 1;
+        }
+        if (c.parent == ROOT_NODE)
+            root_has_children = true;
+        else
+            has_children[c.parent] = true;
+        const int32_t node = static_cast<int32_t>(tree.tokens.size());
+        tree.tokens.push_back(c.token);
+        tree.parents.push_back(c.parent);
+        tree.probs.push_back(c.p);
+        tree.path_probs.push_back(c.path_prob);
+        has_children.push_back(false);
+        std::vector<SourceMatch> at = c.parent == ROOT_NODE ? sources : tree.node_sources[c.parent];
+        step_sources(at, c.token);
+        tree.node_sources.push_back(std::move(at));
+        if (!config.is_stop(c.token) && static_cast<int32_t>(tree.tokens.size()) < size)
+            propose(node, tree.node_sources[node], c.path_prob, leaves < width ? width : 1);
+    }
+}
+
+// tree.choose_path: the root path of the largest sum of path probabilities, ties to the leaf added first.
+inline void choose_path(const TreeOut& tree, std::vector<int32_t>& best) {
+    best.clear();
+    const size_t n = tree.tokens.size();
+    std::vector<bool> inner(n, false);
+    for (int32_t parent : tree.parents)
+        if (parent != ROOT_NODE) inner[parent] = true;
+    double best_value = -1.0;
+    std::vector<int32_t> path;
+    for (size_t leaf = 0; leaf < n; ++leaf) {
+        if (inner[leaf]) continue;
+        path.clear();
+        for (int32_t node = static_cast<int32_t>(leaf); node != ROOT_NODE; node = tree.parents[node]) path.push_back(node);
+        std::reverse(path.begin(), path.end());
+        double value = 0.0;
+        for (int32_t i : path) value = value + tree.path_probs[i];
+        if (value > best_value) {
+            best = path;
+            best_value = value;
+        }
+    }
+}
+
+// NgramDrafter._source_of: the prompt's index when it saw ``token`` after one of the levels read.
+inline int8_t source_of(const SourceMatch& prompt, int32_t token, const ChainConfig& config) {
+    const Automaton& a = *prompt.index;
+    if (prompt.match.matched < config.min_match) return SOURCE_GLOBAL;
+    int32_t state = prompt.match.state, used = 0;
+    while (state >= 0 && used < config.levels && a[state].length >= config.min_match) {
+        if (a.num_children(state)) {
+            used += 1;
+            if (a.child(state, token) >= 0) return SOURCE_PROMPT;
+        }
+        state = a[state].link;
+    }
+    return SOURCE_GLOBAL;
+}
+
+// NgramDrafter.chain: the chain draft from the context's match states (the prompt's index first).
+inline void chain(const std::vector<SourceMatch>& sources, int32_t k, const ChainConfig& config, DraftOut& out) {
+    out.clear();
+    out.matched = sources[0].match.matched;
+    if (config.path_width == 1) {  // the tree of width 1, without the tree's bookkeeping
+        extend_path(sources, 1.0, k, config, out.tokens, out.probs);
+    } else {
+        thread_local TreeOut tree;
+        thread_local std::vector<int32_t> path;
+        grow_tree(sources, k, config.path_width, config, tree);
+        choose_path(tree, path);
+        if (path.empty()) return;
+        for (int32_t i : path) {
+            out.tokens.push_back(tree.tokens[i]);
+            out.probs.push_back(tree.probs[i]);
+        }
+        if (static_cast<int32_t>(out.tokens.size()) < k && !config.is_stop(out.tokens.back()))
+            extend_path(tree.node_sources[path.back()], tree.path_probs[path.back()],
+                        k - static_cast<int32_t>(out.tokens.size()), config, out.tokens, out.probs);
+    }
+    if (!out.tokens.empty()) out.source = source_of(sources[0], out.tokens[0], config);
 }
 
 struct OutcomeOut {
@@ -207,7 +341,7 @@ inline void predict_outcomes(const SourceMatch* sources, size_t num_sources, con
             at_j[s] = SourceMatch{sources[s].index, chain[j]};
         }
         const double floor = static_cast<int32_t>(out.size()) == limit ? out.front().probability / pj : 0.0;
-        token_distribution(at_j.data(), num_sources, j < k ? tokens[j] : -1, levels, limit, floor, dist);
+        continuation_estimates(at_j.data(), num_sources, levels, limit, j < k ? tokens[j] : -1, 0, floor, dist);
         for (const auto& pt : dist) {
             const double p = pj * pt.first;
             if (static_cast<int32_t>(out.size()) < limit) {

@@ -72,9 +72,11 @@ def test_replay_is_deterministic_and_oracle_is_a_ceiling():
     assert again.forwards == results["ngramrl"].forwards
     for name in METHOD_NAMES:
         assert results[name].tokens == results["none"].tokens
-        assert results["oracle"].tokens_per_forward >= results[name].tokens_per_forward
+        if name != "ngramrl-tree":  # a single path's ceiling: a tree may pass it
+            assert results["oracle"].tokens_per_forward >= results[name].tokens_per_forward
     assert results["none"].tokens_per_forward == 1.0
     assert results["ngramrl"].tokens_per_forward > 1.5
+    assert results["ngramrl-tree"].tokens_per_forward >= results["ngramrl"].tokens_per_forward
 
 
 def test_unknown_method_is_rejected():
@@ -97,6 +99,60 @@ def test_replay_with_prefetch_uses_the_same_drafts():
     assert result.forwards == plain.forwards
     assert prefetching.tally.prefetch_hits > 0
     assert prefetching.tally.value(16) >= prefetching.tally.value(1) > 0
+
+
+def test_knowing_j_covers_at_least_what_the_outcome_model_covers():
+    """An outcome among the top B overall has its b among the top B at its own j: the known-j
+    figure bounds coverage at the same budget from above (and is below 1 when b is uncertain)."""
+    from ngramrl.bench.methods import NgramRLMethod
+
+    rng = random.Random(6)
+    prompts = {f"p{i}": [1, 2, 3 + i] for i in range(3)}
+    rollouts = [Rollout(pid, epoch, sample, prompt, [rng.choice(range(10, 22)) for _ in range(40)] + [2])
+                for epoch in range(3) for pid, prompt in prompts.items() for sample in range(3)]
+    for budget in (1, 4):
+        method = NgramRLMethod(budgets=[budget], known_j_budget=budget)
+        replay(toy_trace(rollouts), method, 8)
+        tally = method.tally
+        assert tally.hits.get(budget, 0) <= tally.known_j_hits < tally.steps
+        assert tally.known_j_hits > 0
+
+
+def test_tree_method_accepts_along_a_branch_the_chain_leaves_out():
+    """Two earlier rollouts went one way and one the other; the replayed one takes the rarer way:
+    the chain drafts the frequent way and loses the step, a tree of two paths keeps both."""
+    from ngramrl.bench.methods import NgramRLTreeMethod
+
+    prompt = [1, 5, 6]
+    frequent, rare = [10, 11, 12, 13, 14, 2], [20, 21, 22, 23, 24, 2]
+    rollouts = [Rollout("a", 0, s, prompt, out) for s, out in enumerate([frequent, frequent, rare])]
+    rollouts.append(Rollout("a", 1, 0, prompt, rare))
+    trace = toy_trace(rollouts)
+    chain = replay(trace, make_method("ngramrl"), 16)
+    accepted = []
+    tree = replay(trace, NgramRLTreeMethod(width=2), 16, on_step=lambda d, a, r, p: accepted.append(a))
+    assert chain.forwards > tree.forwards == 1  # the whole output is one root path of the tree
+    assert accepted == [len(rare)]
+    single = replay(trace, NgramRLTreeMethod(width=1), 16)
+    assert single.forwards == chain.forwards  # a tree of one path is the chain
+
+
+def test_known_j_counts_b_among_the_likeliest_tokens_after_the_true_j():
+    """After [10] the history saw 11 three times, 12 twice, 13 once; the replayed rollout rejects
+    11 and emits 13: the second likeliest correction, so a budget of 2 covers it and 1 does not."""
+    from ngramrl.bench.methods import NgramRLMethod
+
+    prompt = [1, 5, 6]
+    outputs = [[10, 11, 2]] * 3 + [[10, 12, 2]] * 2 + [[10, 13, 2]]
+    rollouts = [Rollout("a", 0, s, prompt, out) for s, out in enumerate(outputs)]
+    rollouts.append(Rollout("a", 1, 0, prompt, [10, 13, 2]))
+    found = {}
+    for budget in (1, 2):
+        method = NgramRLMethod(budgets=[budget], known_j_budget=budget)
+        replay(toy_trace(rollouts), method, 8)
+        assert method.tally.steps == 1
+        found[budget] = method.tally.known_j_hits
+    assert found == {1: 0, 2: 1}
 
 
 def test_a_prompt_first_met_in_a_replayed_epoch_drafts_nothing():

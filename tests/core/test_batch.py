@@ -2,7 +2,8 @@
 outcome predictions and history state, on random runs and on the shipped traces.
 
 Each random run (a seed) draws its own configuration (windows, a token cap that evicts,
-cross-prompt index on or off, stop tokens, confidence floors, global budgets) and its own
+cross-prompt index on or off, stop tokens, confidence floors, the estimate's levels, chains chosen
+from draft trees of several paths, global budgets) and its own
 sequence of operations: rollouts added, requests started with and without registering their
 prompt, steps with drafting rows and deferring rows, commits that follow the drafts (so prefetched
 drafts are hit) and commits that do not, absorbs, prefetches, finishes with an epoch, without one,
@@ -58,7 +59,8 @@ def random_config(rng: random.Random) -> tuple[HistoryConfig, DrafterConfig, Pre
                             max_tokens=rng.choice([150, 400, 8_000_000]), prompt_tail=rng.choice([0, 2, 8]))
     drafter = DrafterConfig(max_draft=rng.choice([4, 8, 16]), min_confidence=rng.choice([0.0, 0.0, 0.05, 0.3]),
                             min_match=rng.choice([1, 1, 2]), rematch_tokens=rng.choice([3, 32]),
-                            use_global=rng.random() < 0.7, stop_tokens=rng.choice([(), (3,)]))
+                            use_global=rng.random() < 0.7, stop_tokens=rng.choice([(), (3,)]),
+                            levels=rng.choice([1, 2, 3, 5]), path_width=rng.choice([1, 1, 2, 4]))
     prefetch = PrefetchConfig(budget=rng.choice([0, 1, 4, 16]), global_budget=rng.choice([None, None, 5]),
                               min_probability=rng.choice([0.0, 0.01]), levels=rng.choice([1, 3]))
     return history, drafter, prefetch
@@ -350,3 +352,84 @@ def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
     assert not make_core().native  # the reference, with one logged line
     with pytest.raises(RuntimeError, match="not built"):
         make_core(native=True)
+
+
+def first_draft(core, prompt_id: str, prompt: list[int], context: list[int], k: int = 4):
+    h = core.start(prompt_id, prompt, [])
+    return core.step([h], context, [0, len(context)], [k]).draft(0)
+
+
+def test_shorter_frequent_contexts_outvote_a_split_longest_match():
+    """After "0 5 1 2" the history saw 3 once and 7 once, after "1 2" ten times 4: following the
+    longest match drafts 3 or 7; the interpolated estimate (p(4) = 1/3 > p(3) = 0.25 + 1/30)
+    drafts 4, in both cores alike."""
+    drafts = []
+    for core in pair(HistoryConfig(prompt_tail=0), DrafterConfig(use_global=False), PrefetchConfig(budget=4)):
+        core.add_rollout("p", [0], [5, 1, 2, 3, 9], 0)
+        core.add_rollout("p", [0], [5, 1, 2, 7, 9], 0)
+        for _ in range(10):
+            core.add_rollout("p", [0], [6, 1, 2, 4, 9], 0)
+        drafts.append(first_draft(core, "p", [0], [5, 1, 2]))
+    assert drafts[0] == drafts[1]
+    assert drafts[0].tokens[0] == 4 and drafts[0].source == "prompt"
+    assert drafts[0].probs[0] > 0.25 + 1 / 30
+
+
+def test_the_prompts_own_history_comes_before_a_longer_cross_prompt_match():
+    """Another prompt matches "8 1 2" (then 5), this prompt only "1 2" (then 4): the prompt's own
+    levels are read first, so the draft is 4, from the prompt, in both cores alike."""
+    drafts = []
+    for core in pair(HistoryConfig(prompt_tail=0), DrafterConfig(use_global=True), PrefetchConfig(budget=4)):
+        core.add_rollout("p", [0], [1, 2, 4, 6], 0)
+        for _ in range(3):
+            core.add_rollout("q", [3], [8, 1, 2, 5, 6], 0)
+        drafts.append(first_draft(core, "p", [0], [8, 1, 2]))
+    assert drafts[0] == drafts[1]
+    assert drafts[0].tokens[0] == 4 and drafts[0].source == "prompt" and drafts[0].matched == 2
+
+
+@pytest.mark.parametrize("width", [4, 9])  # 9: past the native core's cached ranking threshold (8)
+def test_equally_frequent_continuations_rank_by_token_id_after_the_newest(width):
+    """A state followed once each by ``width`` tokens: the draft is the newest (the index's best
+    continuation); after rejecting it, the two corrections a budget of 2 keeps are the two lowest
+    token ids among the rest (each level proposes its top two in the index's ranking), not the
+    two seen first, in both cores alike. (A long rollout of other tokens keeps the empty context's
+    estimates of the frequent prefix tokens below those corrections.)"""
+    followers = [9, 3, 7, 5, 11, 4, 8, 6, 10][:width]
+    results = []
+    for core in pair(HistoryConfig(prompt_tail=0), DrafterConfig(use_global=False), PrefetchConfig(budget=2)):
+        core.add_rollout("p", [0], list(range(100, 300)), 0)
+        for t in followers:
+            core.add_rollout("p", [0], [1, 2, t], 0)
+        h = core.start("p", [0], [])
+        draft = core.step([h], [1, 2], [0, 2], [1])
+        core.absorb([h])
+        core.prefetch([h], draft.tokens, draft.offsets, draft.probs, 1)
+        outcomes = core.collect()
+        predicted = [(int(j), int(b)) for j, b in zip(outcomes.accepted, outcomes.token, strict=True)]
+        results.append((draft.draft(0), predicted))
+    assert results[0] == results[1]
+    draft, predicted = results[0]
+    assert draft.tokens == [followers[-1]]
+    assert sorted(b for j, b in predicted if j == 0) == sorted(followers[:-1])[:2]
+
+
+@pytest.mark.parametrize("path_width", [2, 4])
+def test_chains_chosen_from_trees_are_the_same_in_both_cores(path_width):
+    drafted = 0
+    for seed in (3, 8, 21):
+        rng = random.Random(seed)
+        history, drafter, prefetch = random_config(rng)
+        drafter = DrafterConfig(**{**drafter.__dict__, "path_width": path_width})
+        ref, nat = pair(history, drafter, prefetch)
+        for epoch in range(2):
+            for p in range(3):
+                out = [rng.randrange(6) for _ in range(40)]
+                ref.add_rollout(f"p{p}", [1], out, epoch)
+                nat.add_rollout(f"p{p}", [1], out, epoch)
+        for p in range(3):
+            context = [rng.randrange(6) for _ in range(5)]
+            a, b = first_draft(ref, f"p{p}", [1], context, 8), first_draft(nat, f"p{p}", [1], context, 8)
+            assert a == b, (seed, p)
+            drafted += len(a)
+    assert drafted > 10

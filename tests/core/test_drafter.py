@@ -199,7 +199,7 @@ def test_discarded_request_is_not_visible_afterwards():
     assert drafter.propose(again).tokens == [61]
 
 
-def test_cross_prompt_fallback_when_other_prompts_match_longer():
+def test_other_prompts_draft_where_this_prompt_has_no_evidence():
     history, drafter = make()
     history.add_rollout("p", PROMPT, [10, 11], epoch=0)
     history.add_rollout("q", [7, 8, 9], [40, 41, 42, 43, 44], epoch=0)
@@ -243,7 +243,8 @@ def test_outcome_sources_are_the_prompt_index_then_the_cross_prompt_one():
     (dict(max_draft=-1), "max_draft must be >= 0"), (dict(min_confidence=1.5), "min_confidence"),
     (dict(min_match=0), "min_match"), (dict(stop_tokens=2), "stop_tokens must be a list of integers, got 2"),
     (dict(stop_tokens="2"), "stop_tokens must be a list of integers"), (dict(stop_tokens=[2, -1]), "token ids >= 0"),
-    (dict(max_draft="16"), "max_draft must be an integer, got '16'"), (dict(use_global="no"), "true or false")])
+    (dict(max_draft="16"), "max_draft must be an integer, got '16'"), (dict(use_global="no"), "true or false"),
+    (dict(levels=0), "levels and path_width must be >= 1"), (dict(path_width=0), "levels and path_width must be >= 1")])
 def test_config_rejects_bad_values(bad, message):
     with pytest.raises(ValueError, match=message):
         DrafterConfig(**bad)
@@ -300,3 +301,61 @@ def test_steps_without_lookups_leave_the_next_draft_unchanged():
         if lazy is not None:
             assert (lazy.tokens, lazy.source, lazy.matched) == (eager.tokens, eager.source, eager.matched)
     assert sum(d is not None and bool(d.tokens) for d in drafts[True]) >= 5
+
+
+def test_a_split_longest_context_is_decided_by_the_shorter_ones():
+    """After [5, 6] this prompt saw 7 and 8 once each (the newest, 8, would win a tie); after [6]
+    alone, 7 many times: the interpolated estimate drafts 7."""
+    history, drafter = make(use_global=False)
+    history.add_rollout("p", PROMPT, [5, 6, 7, 1, 6, 7, 1, 6, 7, 1, 6, 7], epoch=0)
+    history.add_rollout("p", PROMPT, [5, 6, 8], epoch=0)
+    request = drafter.start("r", "p", PROMPT)
+    drafter.commit(request, [5, 6])
+    draft = drafter.propose(request, 1)
+    assert draft.tokens == [7]
+    assert 0.5 < draft.probs[0] < 1
+
+
+def test_this_prompt_comes_before_a_longer_match_in_other_prompts():
+    history, drafter = make()
+    history.add_rollout("p", PROMPT, [40, 41, 50, 51], epoch=0)
+    for _ in range(3):
+        history.add_rollout("q", [7, 8, 9], [30, 40, 41, 42, 43], epoch=0)
+    request = drafter.start("r", "p", PROMPT)
+    drafter.commit(request, [30, 40, 41])
+    draft = drafter.propose(request, 2)
+    assert draft.tokens == [50, 51] and draft.source == "prompt"
+    assert draft.matched == 2  # [40, 41] in this prompt's index, against 3 tokens in the other prompts'
+
+
+def test_path_width_chooses_the_path_of_largest_expected_accepted_length():
+    """The likeliest first token (10, three of five) leads nowhere certain; the other (20) starts a
+    path seen twice the same way: with two paths compared the chain takes 20's."""
+    tails = [[10, 31], [10, 32], [10, 33], [20, 21, 22, 23, 24, 25], [20, 21, 22, 23, 24, 25]]
+    drafts = {}
+    for width in (1, 2):
+        history, drafter = make(use_global=False, path_width=width)
+        for tail in tails:
+            history.add_rollout("p", PROMPT, [5] + tail, epoch=0)
+        request = drafter.start("r", "p", PROMPT)
+        drafter.commit(request, [5])
+        drafts[width] = drafter.propose(request, 6)
+    assert drafts[1].tokens[0] == 10
+    assert drafts[2].tokens == [20, 21, 22, 23, 24, 25]
+    assert drafts[2].expected_accepted > drafts[1].expected_accepted
+
+
+def test_lookup_tree_holds_the_alternatives_the_chain_leaves_out():
+    history, drafter = make(use_global=False)
+    for tail in ([10, 11, 12], [10, 11, 12], [20, 21, 22]):
+        history.add_rollout("p", PROMPT, [5] + tail, epoch=0)
+    request = drafter.start("r", "p", PROMPT)
+    drafter.commit(request, [5])
+    chain = drafter.lookup(request, 4)
+    tree = drafter.lookup_tree(request, 6, 2)
+    assert chain.tokens[:3] == [10, 11, 12]
+    assert [tree.tokens[i] for i in tree.children(-1)] == [10, 20]
+    assert tree.accept([20, 21, 22, 9]) and len(tree.accept([20, 21, 22, 9])) == 3 - (len(tree) < 6)
+    assert len(tree) == 6 and len(tree.leaves()) == 2
+    assert drafter.lookup_tree(request, 0, 2).tokens == []
+    assert drafter.lookup_tree(drafter.start("x", "unknown", [5]), 6, 2).tokens == []

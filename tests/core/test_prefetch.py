@@ -153,10 +153,10 @@ def test_greedy_outputs_equal_plain_decoding():
         assert outputs[pid] == plain_rollout(table, prompt, 0.0, 0, 40)
 
 
-def first_draft(seed, temperature, prompt_id):
+def first_draft(seed, temperature, prompt_id, path_width=1):
     """A drafter warmed on the toy model's rollouts, and the first draft of a new request."""
     history = warm_history(toy_model(seed), PROMPTS, temperature)
-    drafter = NgramDrafter(history, DrafterConfig(max_draft=K))
+    drafter = NgramDrafter(history, DrafterConfig(max_draft=K, path_width=path_width))
     request = drafter.start("r", prompt_id, PROMPTS[prompt_id])
     return history, drafter, request, drafter.propose(request, K)
 
@@ -170,12 +170,29 @@ def ordinary_draft_after(drafter, request, prompt_id, committed):
     return tokens
 
 
-def test_prefetched_draft_is_the_draft_an_ordinary_lookup_makes():
-    history, drafter, request, draft = first_draft(seed=5, temperature=0.8, prompt_id="p0")
+@pytest.mark.parametrize("path_width", [1, 3])
+def test_prefetched_draft_is_the_draft_an_ordinary_lookup_makes(path_width):
+    history, drafter, request, draft = first_draft(seed=5, temperature=0.8, prompt_id="p0", path_width=path_width)
     for j in range(len(draft.tokens) + 1):
         for b in range(0, VOCAB, 7):
             ahead = drafter.lookup(request, K, draft.tokens[:j] + [b])
             assert ordinary_draft_after(drafter, request, "p0", draft.tokens[:j] + [b]) == ahead.tokens
+
+
+def test_a_tree_looked_up_ahead_is_the_tree_an_ordinary_lookup_makes():
+    history, drafter, request, draft = first_draft(seed=5, temperature=0.8, prompt_id="p0")
+    grown = 0
+    for j in range(len(draft.tokens) + 1):
+        for b in range(0, VOCAB, 9):
+            after = draft.tokens[:j] + [b]
+            ahead = drafter.lookup_tree(request, K, 3, after)
+            twin = drafter.start("twin", "p0", PROMPTS["p0"], output=list(request.output))
+            drafter.commit(twin, after)
+            now = drafter.lookup_tree(twin, K, 3)
+            drafter.finish(twin)
+            assert (ahead.tokens, ahead.parents, ahead.probs) == (now.tokens, now.parents, now.probs)
+            grown += len(set(ahead.parents)) > 1  # a tree with a branch
+    assert grown > 0
 
 
 def test_accepted_length_distribution_sums_to_one():

@@ -167,3 +167,148 @@ def test_top_k_and_top_p_filtering():
     assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
     with pytest.raises(ValueError):
         SamplingSettings.uniform(1, temperature=-1)
+
+
+# -- draft trees ------------------------------------------------------------------------------
+
+TREE_PARENTS = [-1, -1, 0, 1, 2]  # two first tokens, each continued; the likelier one twice
+
+
+def tree_drafts(draft_table, ctx):
+    """Per row: the draft table's two likeliest first tokens, each continued by its argmax, the
+    first path once more; returns tokens [B, 5] and each node's context (the tokens before it)."""
+    rows = ctx.shape[0]
+    first = logits_for(draft_table, ctx).topk(2, dim=-1).indices
+    tokens = torch.zeros((rows, len(TREE_PARENTS)), dtype=torch.long)
+    paths = {-1: ctx}
+    for node, parent in enumerate(TREE_PARENTS):
+        before = paths[parent]
+        tokens[:, node] = first[:, node] if parent == -1 else logits_for(draft_table, before).argmax(-1)
+        paths[node] = torch.cat([before, tokens[:, node:node + 1]], dim=1)
+    return tokens, paths
+
+
+def tree_speculative_decode(table, draft_table, settings, rows, generator, sizes=None, verify_fn=None):
+    verify_fn = verify_fn or verifier.verify_tree
+    out = [[0, 0] for _ in range(rows)]
+    n = len(TREE_PARENTS)
+    parents = torch.tensor(TREE_PARENTS).expand(rows, n)
+    sizes = sizes if sizes is not None else torch.full((rows,), n)
+    while min(len(o) for o in out) < 2 + LENGTH:
+        ctx = torch.tensor([o[-2:] for o in out])
+        tokens, paths = tree_drafts(draft_table, ctx)
+        logits = torch.stack([logits_for(table, paths[node]) for node in range(-1, n)], dim=1)
+        result = verify_fn(logits, tokens, parents, sizes, settings, generator)
+        for row, committed in enumerate(result.committed(tokens)):
+            out[row].extend(committed)
+    return torch.tensor([o[2:2 + LENGTH] for o in out])
+
+
+@pytest.mark.parametrize("params", SETTINGS)
+def test_tree_outputs_match_plain_sampling_distribution(params):
+    table, draft_table = make_tables(1)
+    rows = 20000
+    settings = SamplingSettings.uniform(rows, **params)
+    spec = tree_speculative_decode(table, draft_table, settings, rows, torch.Generator().manual_seed(11))
+    expected = exact_distribution(table, SamplingSettings.uniform(1, **params))
+    assert chi_square_pvalue(spec, expected) > 1e-4
+
+
+def test_tree_greedy_is_identical_to_plain_greedy_decoding_and_accepts_along_a_branch():
+    accepted_somewhere = 0
+    for seed in range(20):
+        table, draft_table = make_tables(seed)
+        settings = SamplingSettings.uniform(4, temperature=0.0)
+        spec = tree_speculative_decode(table, draft_table, settings, 4, torch.Generator().manual_seed(seed))
+        assert torch.equal(spec, plain_decode(table, settings, 4, None))
+        ctx = torch.zeros((1, 2), dtype=torch.long)
+        tokens, paths = tree_drafts(draft_table, ctx)
+        logits = torch.stack([logits_for(table, paths[node]) for node in range(-1, len(TREE_PARENTS))], dim=1)
+        result = verifier.verify_tree(logits, tokens, torch.tensor([TREE_PARENTS]), torch.tensor([5]),
+                                      SamplingSettings.uniform(1, temperature=0.0))
+        path = result.nodes[0]
+        for depth, node in enumerate(path):  # each accepted node is the argmax after its parent's path
+            before = -1 if depth == 0 else path[depth - 1]
+            assert int(tokens[0, node]) == int(logits[0, before + 1].argmax())
+        assert int(result.emitted[0]) == int(logits[0, (path[-1] if path else -1) + 1].argmax())
+        accepted_somewhere += len(path) > 0
+    assert accepted_somewhere > 0
+
+
+def test_tree_with_variable_sizes_and_mixed_greedy_rows():
+    table, draft_table = make_tables(4)
+    rows = 20000
+    temperature = torch.where(torch.arange(rows) % 4 == 0, 0.0, 1.0)
+    settings = SamplingSettings(temperature, torch.full((rows,), -1), torch.full((rows,), 1.0))
+    sizes = torch.arange(rows) % (len(TREE_PARENTS) + 1)
+    spec = tree_speculative_decode(table, draft_table, settings, rows, torch.Generator().manual_seed(5), sizes)
+    assert bool((spec[temperature == 0] == plain_decode(table, SamplingSettings.uniform(1, temperature=0.0),
+                                                        1, None)).all())
+    expected = exact_distribution(table, SamplingSettings.uniform(1, temperature=1.0))
+    assert chi_square_pvalue(spec[temperature > 0], expected) > 1e-4
+
+
+def test_tree_that_is_a_chain_verifies_like_the_chain_verifier():
+    table, draft_table = make_tables(2)
+    rows = 20000
+    settings = SamplingSettings.uniform(rows, temperature=0.9, top_k=4)
+    ctx = torch.zeros((rows, 2), dtype=torch.long)
+    drafts = []
+    seqs = ctx
+    for _ in range(DRAFT_K):
+        drafts.append(logits_for(draft_table, seqs).argmax(-1))
+        seqs = torch.cat([seqs, drafts[-1].unsqueeze(1)], dim=1)
+    drafts = torch.stack(drafts, dim=1)
+    logits = torch.stack([logits_for(table, seqs[:, :2 + i]) for i in range(DRAFT_K + 1)], dim=1)
+    chain = verify(logits, drafts, torch.full((rows,), DRAFT_K), settings, torch.Generator().manual_seed(1))
+    tree = verifier.verify_tree(logits, drafts, torch.arange(-1, DRAFT_K - 1).expand(rows, DRAFT_K),
+                                torch.full((rows,), DRAFT_K), settings, torch.Generator().manual_seed(2))
+    for n in range(DRAFT_K + 1):  # the law of the accepted length is the same
+        a, b = float((chain.accepted == n).float().mean()), float((tree.accepted == n).float().mean())
+        assert abs(a - b) < 0.02, (n, a, b)
+
+
+def test_planted_bug_trying_children_without_renormalising_is_detected():
+    """Trying each child in turn with its probability under p (instead of under p without the
+    children already rejected) favours the first child: the tree test must fail on it."""
+    def buggy_verify_tree(logits, tokens, parents, sizes, settings, generator=None):
+        probs = target_probs(logits, settings)
+        batch = logits.shape[0]
+        nodes, emitted = [], []
+        for row in range(batch):
+            current, path = -1, []
+            while True:
+                dist = probs[row, current + 1]
+                children = [i for i in range(int(sizes[row])) if int(parents[row, i]) == current]
+                taken = None
+                for child in children:
+                    if float(torch.rand((), generator=generator)) < float(dist[tokens[row, child]]):
+                        taken = child
+                        break
+                if taken is None:
+                    residual = dist.clone()
+                    residual[tokens[row, children].long()] = 0.0
+                    residual = residual / residual.sum() if float(residual.sum()) > 0 else dist
+                    emitted.append(int(torch.multinomial(residual, 1, generator=generator)))
+                    break
+                path.append(taken)
+                current = taken
+            nodes.append(path)
+        return verifier.TreeVerification(torch.tensor([len(p) for p in nodes]), torch.tensor(emitted), nodes)
+
+    table, draft_table = make_tables(1)
+    rows = 6000
+    settings = SamplingSettings.uniform(rows, temperature=1.0)
+    spec = tree_speculative_decode(table, draft_table, settings, rows, torch.Generator().manual_seed(7),
+                                   verify_fn=buggy_verify_tree)
+    expected = exact_distribution(table, SamplingSettings.uniform(1, temperature=1.0))
+    assert chi_square_pvalue(spec, expected) < 1e-6
+
+
+def test_tree_verifier_rejects_a_malformed_tree():
+    logits = torch.zeros((1, 3, VOCAB))
+    settings = SamplingSettings.uniform(1)
+    with pytest.raises(ValueError, match="earlier node"):
+        verifier.verify_tree(logits, torch.tensor([[1, 2]]), torch.tensor([[-1, 1]]), torch.tensor([2]), settings)
+    with pytest.raises(ValueError, match="shape"):
+        verifier.verify_tree(logits, torch.tensor([[1]]), torch.tensor([[-1]]), torch.tensor([1]), settings)
