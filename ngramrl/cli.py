@@ -130,6 +130,61 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_steps(args: argparse.Namespace) -> int:
+    from ngramrl.bench.bench_steps import BenchStepsConfig, run_bench_steps
+
+    run_bench_steps(BenchStepsConfig(traces=args.traces, batches=args.batch, threads=args.threads,
+                                     methods=args.method, k=args.k, profile=args.profile, flush_mb=args.flush_mb,
+                                     json_out=args.json))
+    return 0
+
+
+def _profile_gpu(args: argparse.Namespace) -> int:
+    from ngramrl.core.profile import (
+        HostOverhead,
+        RooflineSettings,
+        check_output,
+        model_shape,
+        roofline_profile,
+        write_profile,
+    )
+
+    check_output(args.out)
+    shape = model_shape(args.model)
+    host = HostOverhead(*args.host_ms) if args.host_ms else HostOverhead()
+    if args.roofline:
+        settings = RooflineSettings(*(args.efficiency or (0.85, 0.7)), step_overhead_ms=args.overhead_ms)
+        profile = roofline_profile(args.roofline, shape, k=args.k, settings=settings, host=host)
+    else:
+        from ngramrl.bench.gpu_profile import MeasureConfig, measure_profile
+
+        profile = measure_profile(shape, MeasureConfig(device=args.device, k=args.k, quick=args.quick,
+                                                       time_budget_s=args.time_budget_s), host=host,
+                                  progress=args.progress)
+    write_profile(profile, args.out)
+    fastest = min(v for row in profile.step_ms for cell in row for v in cell)
+    print(f"{profile.source} step profile of {shape.name} on {profile.device.get('name')}: "
+          f"{len(profile.batches)} batch sizes x {len(profile.tokens)} tokens per request x "
+          f"{len(profile.contexts)} contexts; fastest step {fastest:.3f} ms"
+          + (f" (weights read once at peak bandwidth: {profile.floor_ms:.3f} ms)" if profile.floor_ms else ""))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _project(args: argparse.Namespace) -> int:
+    from ngramrl.bench.project import ProjectConfig, run_project
+    from ngramrl.bench.run import builtin_traces
+    from ngramrl.core.profile import HostOverhead
+
+    traces = args.traces or builtin_traces()
+    run_project(ProjectConfig(traces=traces, profile=args.profile, batches=args.engine_batch,
+                              methods=args.method or ProjectConfig.__dataclass_fields__["methods"].default_factory(),
+                              k=args.k, threads=args.threads, copies=args.copies, waves=args.waves,
+                              host=HostOverhead(*args.host_ms) if args.host_ms else None, flush_mb=args.flush_mb,
+                              cpu_scale=args.cpu_scale, json_out=args.json))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ngramrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +229,64 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_generate)
 
+    steps = sub.add_parser("bench-steps", help="the drafting proposer's time per engine step at B requests in "
+                                              "flight (docs/bench-contract.md)")
+    steps.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (.jsonl or .jsonl.gz)")
+    steps.add_argument("--batch", type=int, nargs="+", required=True, metavar="B", help="requests in flight")
+    steps.add_argument("--threads", type=int, default=1, help="threads the drafting core may use per step")
+    steps.add_argument("--method", nargs="+", default=["ngramrl", "ngramrl-prefetch", "suffix"],
+                       help="ngramrl, ngramrl-prefetch, suffix (default: all three)")
+    steps.add_argument("--k", type=int, default=8, help="most draft tokens per request per step")
+    steps.add_argument("--profile", help="step profile giving the forward's length (default: the roofline of a "
+                                         "Qwen3-8B shape on an H100)")
+    steps.add_argument("--flush-mb", type=float, default=32.0,
+                       help="size of the cache-polluting pass standing in for the forward (MB)")
+    steps.add_argument("--json", help="write the results as JSON here")
+    steps.set_defaults(func=_bench_steps)
+
+    gpu = sub.add_parser("profile-gpu", help="a step-cost profile: forward steps timed with PyTorch on this device, "
+                                             "or from a GPU's specifications (--roofline)")
+    gpu.add_argument("--model", default="qwen3-8b",
+                     help="a model shape (qwen3-8b, qwen3-1.7b, qwen3-32b, llama-3.1-8b, qwen2.5-7b, smollm2-135m, "
+                          "tiny) or a Hugging Face config.json")
+    gpu.add_argument("--out", required=True, help="profile JSON to write")
+    gpu.add_argument("--roofline", help="from specifications instead of measuring: h100, h200, a100 or l40s")
+    gpu.add_argument("--device", default="cuda", help="device to measure on (cuda, cpu)")
+    gpu.add_argument("--quick", action="store_true", help="a small grid (meant for about 2 minutes on an H100)")
+    gpu.add_argument("--k", type=int, default=8, help="most draft tokens per request the grid covers")
+    gpu.add_argument("--time-budget-s", type=float, default=420.0,
+                     help="stop measuring after this long; shapes left out are extrapolated and marked")
+    gpu.add_argument("--host-ms", type=float, nargs=2, metavar=("BASE", "PER_REQUEST"),
+                     help="host work per step outside the forward, ms (default 0.5 and 0.003)")
+    gpu.add_argument("--efficiency", type=float, nargs=2, metavar=("MEMORY", "FLOPS"),
+                     help="roofline: fractions of peak bandwidth and FLOP/s kernels reach (default 0.85 0.7)")
+    gpu.add_argument("--overhead-ms", type=float, default=0.15, help="roofline: fixed device time per step")
+    gpu.add_argument("--progress", action="store_true", help="print each measured shape")
+    gpu.set_defaults(func=_profile_gpu)
+
+    proj = sub.add_parser("project", help="project a rollout phase's time from traces and a step profile "
+                                          "(docs/gpu.md)")
+    proj.add_argument("traces", nargs="*", metavar="TRACE",
+                      help="trace files; default: the traces shipped with ngramrl")
+    proj.add_argument("--profile", required=True, help="step profile JSON (ngramrl profile-gpu)")
+    proj.add_argument("--engine-batch", type=int, nargs="+", required=True, metavar="B",
+                      help="most requests in flight")
+    proj.add_argument("--method", nargs="+", help="none, pld, suffix, ngramrl, ngramrl-prefetch (default: all)")
+    proj.add_argument("--k", type=int, default=8, help="most draft tokens per request per step")
+    proj.add_argument("--threads", type=int, default=1, help="threads ngramrl's drafting core may use per step")
+    proj.add_argument("--copies", type=int, help="copies of each trace's prompts per phase (default: enough for B "
+                                                 "requests)")
+    proj.add_argument("--waves", action="store_true",
+                      help="each group of B requests drains before the next starts (a loop of generate calls)")
+    proj.add_argument("--host-ms", type=float, nargs=2, metavar=("BASE", "PER_REQUEST"),
+                      help="host work per step, ms, instead of the profile's")
+    proj.add_argument("--flush-mb", type=float, default=32.0, help="cache-polluting pass per step (MB)")
+    proj.add_argument("--cpu-scale", type=float, default=1.0,
+                      help="count the proposers' CPU time this many times what it takes here (the engine host's CPU "
+                           "against this one; 0: drafting costs no time, the bound a free drafting core would reach)")
+    proj.add_argument("--json", help="write the results as JSON here")
+    proj.set_defaults(func=_project)
+
     tr = sub.add_parser("train", help="RL post-training (GRPO) with ngramrl rollouts on Ray (ray_configs/*.yaml)")
     tr.add_argument("--config", help="YAML run configuration (default: the built-in CPU default)")
     tr.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -195,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (TraceError, ValueError, FileNotFoundError) as err:
+    except (TraceError, ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"ngramrl {args.command}: error: {err}", file=sys.stderr)
         return 2
     except TimeoutError as err:

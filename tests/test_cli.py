@@ -91,6 +91,86 @@ def test_bench_rejects_unknown_method(tmp_path, capsys):
     assert "unknown method 'medusa'" in capsys.readouterr().err
 
 
+def test_bench_steps_writes_its_contract_json(tmp_path, capsys):
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    out = tmp_path / "steps.json"
+    code = main(["bench-steps", trace, "--batch", "1", "3", "--threads", "2", "--method", "ngramrl", "suffix",
+                 "--flush-mb", "1", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["ngramrl_bench_steps"] == 1
+    keys = {"trace", "method", "batch", "threads", "steps", "step_us_median", "step_us_mean", "step_us_p99",
+            "request_us_mean", "offpath_us_mean", "tokens_per_forward"}
+    assert {(r["method"], r["batch"]) for r in data["runs"]} == {(m, b) for m in ("ngramrl", "suffix") for b in (1, 3)}
+    for run in data["runs"]:
+        assert set(run) == keys and run["trace"] == trace and run["steps"] > 0
+        assert run["threads"] == (2 if run["method"] == "ngramrl" else 1)
+        assert run["step_us_median"] <= run["step_us_p99"] and run["tokens_per_forward"] >= 1.0
+    assert "ngramrl" in capsys.readouterr().out
+
+
+def test_bench_steps_and_project_check_their_output_before_any_work(tmp_path, capsys):
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    missing = tmp_path / "no-such-folder" / "out.json"
+    assert main(["bench-steps", trace, "--batch", "4", "--json", str(missing)]) == 2
+    assert f"cannot write {missing}" in capsys.readouterr().err
+    profile = tmp_path / "p.json"
+    assert main(["profile-gpu", "--roofline", "h100", "--model", "qwen3-8b", "--out", str(profile)]) == 0
+    assert main(["project", trace, "--profile", str(profile), "--engine-batch", "2", "--json", str(missing)]) == 2
+    assert f"cannot write {missing}" in capsys.readouterr().err
+    assert main(["profile-gpu", "--roofline", "tpu", "--out", str(profile)]) == 2
+    assert "--roofline 'tpu'" in capsys.readouterr().err
+
+
+def test_project_writes_its_contract_json_and_says_it_is_a_projection(tmp_path, capsys):
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    profile = tmp_path / "h100.json"
+    assert main(["profile-gpu", "--roofline", "h100", "--model", "qwen3-8b", "--out", str(profile)]) == 0
+    out = tmp_path / "projection.json"
+    # --cpu-scale 0: the drafting time does not count, so the drafting decisions do not depend on
+    # how busy this machine is
+    code = main(["project", trace, "--profile", str(profile), "--engine-batch", "1", "4",
+                 "--method", "ngramrl", "pld", "--flush-mb", "1", "--cpu-scale", "0", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "PROJECTION, not a measurement" in printed
+    data = json.loads(out.read_text())
+    assert data["ngramrl_project"] == 1 and data["profile"]["source"] == "roofline" and "partial" not in data
+    keys = {"trace", "method", "engine_batch", "rollout_seconds", "speedup_vs_none", "tokens_per_forward", "steps",
+            "draft_ms_per_step"}
+    runs = {(r["method"], r["engine_batch"]): r for r in data["runs"]}
+    assert set(runs) == {(m, b) for m in ("none", "ngramrl", "pld") for b in (1, 4)}
+    for run in runs.values():
+        assert set(run) >= keys and run["draft_ms_per_step"] == 0.0
+    assert data["profile"]["cpu_scale"] == 0.0
+    for batch in (1, 4):
+        none = runs[("none", batch)]
+        assert none["speedup_vs_none"] == 1.0 and none["tokens_per_forward"] == 1.0
+        ngramrl = runs[("ngramrl", batch)]
+        ratio = none["rollout_seconds"] / ngramrl["rollout_seconds"]
+        assert ngramrl["speedup_vs_none"] == pytest.approx(ratio, rel=1e-3)
+        # every step reads the weights at least once: no faster than the floor
+        assert ngramrl["rollout_seconds"] >= ngramrl["steps"] * data["profile"]["floor_ms"] / 1000
+    # the repeated samples make ngramrl's drafts pay at batch 1, where verifying is nearly free
+    assert runs[("ngramrl", 1)]["tokens_per_forward"] > 1.2 and runs[("ngramrl", 1)]["speedup_vs_none"] > 1.0
+
+
+def test_project_skips_a_method_whose_package_is_missing_and_says_so(tmp_path, capsys, monkeypatch):
+    import ngramrl.bench.project as project
+
+    monkeypatch.setattr(project, "method_available", lambda m: "arctic-inference is not installed"
+                        if m == "suffix" else None)
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    profile = tmp_path / "h100.json"
+    assert main(["profile-gpu", "--roofline", "h100", "--out", str(profile)]) == 0
+    out = tmp_path / "projection.json"
+    assert main(["project", trace, "--profile", str(profile), "--engine-batch", "2", "--method", "suffix", "pld",
+                 "--flush-mb", "0", "--json", str(out)]) == 0
+    assert "skipping suffix: arctic-inference is not installed" in capsys.readouterr().out
+    assert {r["method"] for r in json.loads(out.read_text())["runs"]} == {"none", "pld"}
+
+
+
 def test_bench_tree_method_takes_its_width(tmp_path, capsys):
     trace = small_trace(tmp_path / "toy.jsonl")
     out = tmp_path / "tree.json"

@@ -45,6 +45,64 @@ def test_cpu_launch_script_runs(tmp_path):
     assert len(json.loads((out / "summary.json").read_text())) == 1
 
 
+def _gpu_check(tmp_path, **settings):
+    pytest.importorskip("torch")
+    from tests.test_cli import small_trace
+
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    env = {**os.environ, "PYTHON": sys.executable, "MODEL": "tiny", "DEVICE": "cpu", "QUICK": "1", "TRACES": trace,
+           "BATCHES": "1 2", "PROFILE_BUDGET_S": "60", "OMP_NUM_THREADS": "1", **settings}
+    env.pop("PYTHONPATH", None)  # the script runs from the checkout, ngramrl need not be installed
+    out = tmp_path / "check"
+    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out)], capture_output=True,
+                            text=True, timeout=600, env=env, cwd=str(tmp_path))
+    return result, out
+
+
+def test_gpu_check_runs_end_to_end_on_a_tiny_shape_on_the_cpu(tmp_path):
+    result, out = _gpu_check(tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["env.txt", "profile.json", "profile.log", "progress.txt",
+                                                     "projection.json", "projection.txt", "roofline.json"]
+    assert "drafting core: " in (out / "env.txt").read_text()  # which one the projection's drafting times are
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["source"] == "measured" and profile["model"]["name"] == "tiny"
+    projection = json.loads((out / "projection.json").read_text())
+    assert {(r["method"], r["engine_batch"]) for r in projection["runs"]} >= {("none", 1), ("ngramrl", 2)}
+    assert "PROJECTION, not a measurement" in (out / "projection.txt").read_text()
+    assert (out / "progress.txt").read_text().splitlines()[-1].startswith("gpu_check: finished")
+
+
+def test_gpu_check_says_how_far_it_got_when_a_stage_runs_out_of_time(tmp_path):
+    result, out = _gpu_check(tmp_path, PROJECT_BUDGET_S="1", BATCHES="1 1 1 1 1 1 1 1")
+    assert result.returncode == 1
+    assert "stopped during 'projection" in result.stderr and "profile.json" in result.stderr
+    assert (out / "profile.json").exists()
+
+
+def test_the_gpu_path_imports_only_pytorch_numpy_and_the_standard_library(tmp_path):
+    # What a GPU machine with PyTorch alone has: ngramrl's measured profile and projection must
+    # import nothing beyond it (SuffixDecoding's package is optional and skipped when missing).
+    pytest.importorskip("torch")
+    from tests.test_cli import small_trace
+
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    listing = "import sys, json; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
+    baseline = subprocess.run([sys.executable, "-c", "import torch, numpy; " + listing], capture_output=True,
+                              text=True, check=True, cwd=ROOT)
+    profile = tmp_path / "p.json"
+    path = (f"from ngramrl.cli import main; "
+            f"assert main(['profile-gpu', '--model', 'tiny', '--device', 'cpu', '--quick', '--out', {str(profile)!r}]) "
+            f"== 0; assert main(['project', {trace!r}, '--profile', {str(profile)!r}, '--engine-batch', '2', "
+            f"'--method', 'ngramrl', 'ngramrl-prefetch', 'pld', '--flush-mb', '1']) == 0; " + listing)
+    used = subprocess.run([sys.executable, "-c", path], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    assert used.returncode == 0, used.stderr[-2000:]
+    extra = (set(json.loads(used.stdout.splitlines()[-1])) - set(json.loads(baseline.stdout))
+             - set(sys.stdlib_module_names))
+    assert extra <= {"ngramrl"}, extra
+
+
 def free_port() -> int:
     import socket
 

@@ -332,12 +332,18 @@ class NgramRLTreeMethod(NgramRLMethod):
         pass
 
 
+# vLLM's defaults for its ``suffix`` method (SuffixDecoding)
+SUFFIX_DEFAULTS = {"max_tree_depth": 24, "max_spec_factor": 1.0, "min_token_prob": 0.1}
+
+
 class SuffixMethod:
     """SuffixDecoding through the real arctic-inference cache, with vLLM's ``suffix`` defaults."""
 
     name = "suffix"
 
-    def __init__(self, max_tree_depth: int = 24, max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
+    def __init__(self, max_tree_depth: int = SUFFIX_DEFAULTS["max_tree_depth"],
+                 max_spec_factor: float = SUFFIX_DEFAULTS["max_spec_factor"],
+                 min_token_prob: float = SUFFIX_DEFAULTS["min_token_prob"]) -> None:
         try:
             from arctic_inference.suffix_decoding import SuffixDecodingCache
         except ImportError as err:  # pragma: no cover - depends on the environment

@@ -8,6 +8,11 @@ import os
 from ngramrl.bench.replay import ReplayResult
 
 
+def print_now(line: str) -> None:
+    """Print a progress line at once, also into a pipe."""
+    print(line, flush=True)
+
+
 def _by(results: list[ReplayResult], method: str, trace: str, k: int) -> ReplayResult | None:
     for r in results:
         if r.method == method and r.trace == trace and r.k == k:

@@ -41,13 +41,14 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
-from ngramrl.core.cost import choose_draft_lengths, probe_lengths
+from ngramrl.core.cost import FixedStepCost, choose_draft_lengths, probe_lengths
 from ngramrl.core.drafter import EMPTY, Draft, NgramDrafter, RequestState
 from ngramrl.core.estimate import MatchState, advance
 from ngramrl.core.history import RolloutHistory
@@ -136,6 +137,7 @@ class DraftingCore(Protocol):
     def step(self, handles: Any, tokens: Any, offsets: Any, ks: Any) -> DraftBatch: ...
     def absorb(self, handles: Any, now: bool = False) -> None: ...
     def prefetch(self, handles: Any, tokens: Any, offsets: Any, probs: Any, k: int, absorb: Any = ()) -> None: ...
+    def wait_idle(self, seconds: float) -> bool: ...
     def collect(self, cancel: bool = False) -> OutcomeBatch: ...
     def observe(self, probs: Any, offsets: Any, accepted: Any) -> None: ...
     def chances(self, probs: Any, offsets: Any) -> np.ndarray: ...
@@ -398,6 +400,10 @@ class ReferenceCore:
                                       np.array(emitted, dtype=np.int32), np.array(chance, dtype=np.float64),
                                       DraftBatch.from_drafts(found))
 
+    def wait_idle(self, seconds: float) -> bool:
+        """The reference does its work in the calling thread: there is never any left to wait for."""
+        return True
+
     def collect(self, cancel: bool = False) -> OutcomeBatch:
         """What the last prefetch chose (it ran to the end: the reference has no background)."""
         return self._outcomes
@@ -420,10 +426,10 @@ class ReferenceCore:
             out.extend(self.calibration.chances(probs[offsets[i]:offsets[i + 1]]))
         return np.array(out, dtype=np.float64)
 
-    def lengths(self, probs: Any, offsets: Any, scale: float, coefficients: tuple[float, float, float, float],
-                min_gain: float, adaptive: bool = True, probe_tokens: int = 0) -> tuple[np.ndarray, float, bool, bool]:
+    def lengths(self, probs: Any, offsets: Any, scale: float, fit: Sequence[float], min_gain: float,
+                adaptive: bool = True, probe_tokens: int = 0) -> tuple[np.ndarray, float, bool, bool]:
         """How many leading tokens of each draft to verify (``choose_lengths``) from this core's calibration."""
-        return choose_lengths(self.calibration, probs, offsets, scale, coefficients, min_gain, adaptive, probe_tokens)
+        return choose_lengths(self.calibration, probs, offsets, scale, fit, min_gain, adaptive, probe_tokens)
 
     def calibration_state(self) -> list[list[float]]:
         return self.calibration.state()
@@ -438,21 +444,18 @@ class ReferenceCore:
         pass
 
 
-class _Coefficients:
-    def __init__(self, coefficients: tuple[float, float, float, float]) -> None:
-        self.coefficients = tuple(coefficients)
-
-
 def choose_lengths(calibration: AcceptanceCalibration, probs: Any, offsets: Any, scale: float,
-                   coefficients: tuple[float, float, float, float], min_gain: float, adaptive: bool = True,
+                   fit: Sequence[float], min_gain: float, adaptive: bool = True,
                    probe_tokens: int = 0) -> tuple[np.ndarray, float, bool, bool]:
     """How many leading tokens of each draft (flat ``probs``, one row per ``offsets`` pair) to verify:
-    all of them (not ``adaptive``), or what the step-cost model with ``coefficients`` (base, per
-    request, per draft token, per verifying step) says pays off on the calibrated survival chances
+    all of them (not ``adaptive``), or what the step-cost model with ``fit`` (``StepCostModel.fit``:
+    base, per request, per draft token past the plateau, per verifying step, the plateau's knee in
+    tokens) says pays off on the calibrated survival chances
     scaled by ``scale`` (``cost.choose_draft_lengths``); when it keeps nothing and ``probe_tokens``
     > 0, the batch's ``probe_tokens`` likeliest tokens (``cost.probe_lengths``). Returns the lengths,
     the accepted tokens the unscaled chances expect of them, whether the cost model kept a token,
     and whether a probe chose."""
+    model = step_cost(fit)
     probs = np.asarray(probs, dtype=np.float64).tolist()
     offsets = np.asarray(offsets, dtype=np.int64).tolist()
     rows = [probs[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
@@ -463,13 +466,22 @@ def choose_lengths(calibration: AcceptanceCalibration, probs: Any, offsets: Any,
     if not adaptive:
         chosen, paid = [len(p) for p in rows], True
     else:
-        chosen = choose_draft_lengths([Survival(p, calibration, scale) for p in rows], _Coefficients(coefficients),
-                                      min_gain)
+        chosen = choose_draft_lengths([Survival(p, calibration, scale) for p in rows], model, min_gain)
         paid = any(chosen)
         if probe_tokens > 0 and not paid:
             chosen, probed = probe_lengths(survival, probe_tokens), True
     expected = sum(sum(s[:n]) for s, n in zip(survival, chosen, strict=True))
     return np.array(chosen, dtype=np.int32), float(expected), paid, probed
+
+
+def step_cost(fit: Sequence[float]) -> FixedStepCost:
+    """The step-cost model a ``StepCostModel.fit`` tuple describes."""
+    if len(fit) != 5:
+        raise ValueError(f"a step-cost fit is (base, per request, per token, per verify, knee), got {tuple(fit)}")
+    base, per_request, per_token, per_verify, knee = fit
+    if knee < 0 or knee != int(knee):
+        raise ValueError(f"the step-cost fit's knee must be a whole number of tokens >= 0, got {knee}")
+    return FixedStepCost(float(base), float(per_request), float(per_token), float(per_verify), int(knee))
 
 
 def _ints(values: Any) -> list[int]:
@@ -486,6 +498,10 @@ def native_module() -> Any | None:
         if os.environ.get("NGRAMRL_NATIVE") == "0":
             raise ImportError("NGRAMRL_NATIVE=0")
         from ngramrl import _native
+
+        if not hasattr(_native.Core, "wait_idle"):  # the newest method: an extension built from older sources
+            raise ImportError("ngramrl._native was built from older sources than ngramrl's; rebuild it "
+                              "(pip install -e . or python setup.py build_ext --inplace)")
     except ImportError as err:
         if not _native_warned:
             logger.warning("ngramrl: the native drafting core is not available (%s); using the Python reference", err)

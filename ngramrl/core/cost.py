@@ -6,19 +6,30 @@ or a CPU from the start) every verified token costs time, and a draft token that
 rejected makes the step slower than it saves. The model:
 
 - ``StepCostModel`` fits the step time online as ``base + per_request * requests + per_token *
-  draft tokens + per_verify * [any draft token]`` (exponentially weighted least squares): what a
-  step costs for its requests alone, what each verified draft token adds, and what a step pays
-  once for verifying at all (the rejection sampler and its bookkeeping; a step without drafts
-  samples like a step without speculation).
+  excess + per_verify * [any draft token]`` (exponentially weighted least squares): what a step
+  costs for its requests alone, what each verified draft token adds, and what a step pays once
+  for verifying at all (the rejection sampler and its bookkeeping; a step without drafts samples
+  like a step without speculation). ``excess`` is the draft tokens beyond the forward's
+  memory-bound plateau: a forward that reads its weights once costs about the same for any number
+  of tokens up to a knee (a few hundred on a GPU), then more per token. With ``knee`` tokens in
+  the plateau, a step of r requests and d draft tokens has ``excess = max(0, r + d - knee) -
+  max(0, r - knee)``; a knee of 0 (every token costs, as on a CPU) makes it d. The knee is chosen
+  among candidates by the fit's residuals, and only where it explains the steps clearly better
+  than no plateau: so a CPU's fit is the plain linear one.
 - ``choose_draft_lengths`` keeps a draft token only while it raises the expected throughput:
   with N expected committed tokens in time T, one more draft token that survives with chance s
-  is worth it iff (N + s) / (T + per_token) > N / T, i.e. s > per_token * N / T. Survival chances
-  decrease along a draft, so tokens are taken best first across the batch. Then the whole set is
-  kept only if it beats verifying nothing, which saves ``per_verify``.
+  and adds m to the step is worth it iff (N + s) / (T + m) > N / T, i.e. s > m * N / T (m is
+  zero inside the plateau, per_token past it). Survival chances decrease along a draft, so
+  tokens are taken best first across the batch. Then the whole set is kept only if it beats
+  verifying nothing, which saves ``per_verify``.
 - Both tests ask for a margin (``min_gain``, e.g. 10%): the fit and the survival chances are
-  estimates, and a draft that only breaks even on paper loses when either is a little off. So
-  speculation stays off unless it is clearly ahead, which is what keeps it from ever being
-  slower than no speculation at large batches.
+  estimates, and a draft that only breaks even on paper loses when either is a little off. A
+  token must survive with (1 + min_gain) times the chance that pays for it; the whole set is
+  kept only if it still beats verifying nothing with its expected tokens taken at 1 / (1 +
+  min_gain) and the time it adds at (1 + min_gain) times the fit's. So where verifying costs
+  something (CPUs, large batches) speculation stays off unless it is clearly ahead, which keeps
+  it from being slower than no speculation there, and where verifying is nearly free (a GPU's
+  plateau) any draft expected to bring tokens is verified.
 """
 
 from __future__ import annotations
@@ -30,7 +41,16 @@ from typing import Any
 
 import numpy as np
 
-FEATURES = 4  # 1, requests, draft tokens, any draft token
+FEATURES = 4  # 1, requests, draft tokens past the plateau, any draft token
+# Knees (tokens a step holds before it gets dearer) the fit chooses among: 0 (no plateau), then
+# 4 to 8192 in steps of 2^(1/4) (about 19%).
+KNEES = (0,) + tuple(sorted({int(round(4 * 2 ** (i / 4))) for i in range(45)}))
+PLATEAU_GAIN = 0.2  # a knee is chosen only if it leaves this much less squared error than no plateau
+
+
+def excess_tokens(requests: int, draft_tokens: float, knee: int) -> float:
+    """Draft tokens of a step past the forward's plateau of ``knee`` tokens."""
+    return max(0, requests + draft_tokens - knee) - max(0, requests - knee)
 
 
 class StepCostModel:
@@ -39,53 +59,87 @@ class StepCostModel:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.decay = decay
         self.ridge = ridge
-        self._xtx = np.zeros((FEATURES, FEATURES))
-        self._xty = np.zeros(FEATURES)
-        self._solved: tuple[float, float, float, float] | None = None
+        self._knees = np.array(KNEES, dtype=float)
+        self._xtx = np.zeros((len(KNEES), FEATURES, FEATURES))
+        self._xty = np.zeros((len(KNEES), FEATURES))
+        self._yty = 0.0
+        self._solved: tuple[tuple[float, float, float, float], int] | None = None
         self.steps = 0
 
     def observe(self, requests: int, draft_tokens: int, seconds: float) -> None:
-        x = np.array([1.0, float(requests), float(draft_tokens), float(draft_tokens > 0)])
-        self._xtx = self.decay * self._xtx + np.outer(x, x)
+        x = np.empty((len(KNEES), FEATURES))
+        x[:, 0] = 1.0
+        x[:, 1] = float(requests)
+        x[:, 2] = (np.maximum(0.0, requests + draft_tokens - self._knees)
+                   - np.maximum(0.0, requests - self._knees))
+        x[:, 3] = float(draft_tokens > 0)
+        self._xtx = self.decay * self._xtx + x[:, :, None] * x[:, None, :]
         self._xty = self.decay * self._xty + x * seconds
+        self._yty = self.decay * self._yty + seconds * seconds
         self._solved = None
         self.steps += 1
 
-    @property
-    def coefficients(self) -> tuple[float, float, float, float]:
-        """(base, per request, per draft token, per verifying step) in seconds; zeros until two
-        steps are seen. A coefficient the data cannot tell apart yet (no variation in its
-        feature) comes out near zero, so an unexplored cost is never assumed."""
-        if self.steps < 2:
-            return (0.0, 0.0, 0.0, 0.0)
+    def _solve(self) -> tuple[tuple[float, float, float, float], int]:
+        """Least squares for every candidate knee; the knee whose fit leaves clearly less error than
+        no plateau (``PLATEAU_GAIN``), else none."""
         if self._solved is None:
-            scale = max(1.0, float(np.trace(self._xtx)))
-            solution = np.linalg.solve(self._xtx + self.ridge * scale * np.eye(FEATURES), self._xty)
-            base, per_request, per_token, per_verify = (max(0.0, float(v)) for v in solution)
-            self._solved = (base, per_request, per_token, per_verify)
+            scale = np.maximum(1.0, np.trace(self._xtx, axis1=1, axis2=2))[:, None, None]
+            regularized = self._xtx + self.ridge * scale * np.eye(FEATURES)
+            solution = np.linalg.solve(regularized, self._xty[:, :, None])[:, :, 0]
+            errors = (self._yty - 2.0 * np.einsum("kf,kf->k", solution, self._xty)
+                      + np.einsum("kf,kfg,kg->k", solution, self._xtx, solution))
+            best = int(np.argmin(errors))
+            if best and errors[best] > (1.0 - PLATEAU_GAIN) * errors[0]:
+                best = 0
+            base, per_request, per_token, per_verify = (max(0.0, float(v)) for v in solution[best])
+            self._solved = ((base, per_request, per_token, per_verify), KNEES[best])
         return self._solved
 
-    def step_time(self, requests: int, draft_tokens: int) -> float:
+    @property
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """(base, per request, per draft token past the plateau, per verifying step) in seconds;
+        zeros until two steps are seen. A coefficient the data cannot tell apart yet (no variation
+        in its feature) comes out near zero, so an unexplored cost is never assumed."""
+        if self.steps < 2:
+            return (0.0, 0.0, 0.0, 0.0)
+        return self._solve()[0]
+
+    @property
+    def knee(self) -> int:
+        """Tokens (requests plus draft tokens) a step holds before each one costs ``per_token``."""
+        return 0 if self.steps < 2 else self._solve()[1]
+
+    @property
+    def fit(self) -> tuple[float, float, float, float, int]:
+        """The coefficients and the knee in one tuple: what the drafting core's ``lengths`` reads."""
+        return (*self.coefficients, self.knee)
+
+    def step_time(self, requests: int, draft_tokens: float) -> float:
         base, per_request, per_token, per_verify = self.coefficients
-        return base + per_request * requests + per_token * draft_tokens + per_verify * (draft_tokens > 0)
+        return (base + per_request * requests + per_token * excess_tokens(requests, draft_tokens, self.knee)
+                + per_verify * (draft_tokens > 0))
 
     def state(self) -> dict[str, Any]:
         """The fit as plain data (to carry it to a new engine; ``load_state`` takes it back)."""
-        return {"xtx": self._xtx.tolist(), "xty": self._xty.tolist(), "steps": self.steps}
+        return {"knees": list(KNEES), "xtx": self._xtx.tolist(), "xty": self._xty.tolist(), "yty": self._yty,
+                "steps": self.steps}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self._xtx = np.array(state["xtx"], dtype=float).reshape(FEATURES, FEATURES)
-        self._xty = np.array(state["xty"], dtype=float).reshape(FEATURES)
+        if list(state.get("knees", ())) != list(KNEES):
+            raise ValueError("step-cost state was saved with other plateau candidates")
+        self._xtx = np.array(state["xtx"], dtype=float).reshape(len(KNEES), FEATURES, FEATURES)
+        self._xty = np.array(state["xty"], dtype=float).reshape(len(KNEES), FEATURES)
+        self._yty = float(state["yty"])
         self.steps = int(state["steps"])
         self._solved = None
 
     def drafting_can_pay(self, requests: int, min_gain: float = 0.0) -> bool:
-        """Whether any drafts could raise throughput at this batch size: even tokens certain to be
-        accepted pay only if 1 > per_token * N / T (the once-per-step verification cost spreads
-        over many such tokens, so it is left out). When they cannot, drafts need not even be
-        looked up."""
+        """Whether any drafts could raise throughput at this batch size: a step with room left in
+        its plateau verifies some tokens for free; past it, even tokens certain to be accepted pay
+        only if 1 > per_token * N / T (the once-per-step verification cost spreads over many such
+        tokens, so it is left out). When they cannot, drafts need not even be looked up."""
         base, per_request, per_token, per_verify = self.coefficients
-        if per_token <= 0.0:
+        if per_token <= 0.0 or requests < self.knee:
             return True
         return (1.0 + min_gain) * per_token * requests < base + per_request * requests
 
@@ -94,9 +148,10 @@ class FixedStepCost(StepCostModel):
     """A step-cost model with given coefficients that learns nothing: to replay or test the
     proposer's decisions under a known cost regime, apart from the fit."""
 
-    def __init__(self, base: float, per_request: float, per_token: float, per_verify: float) -> None:
+    def __init__(self, base: float, per_request: float, per_token: float, per_verify: float, knee: int = 0) -> None:
         super().__init__()
         self.fixed = (base, per_request, per_token, per_verify)
+        self.fixed_knee = knee
 
     def observe(self, requests: int, draft_tokens: int, seconds: float) -> None:
         pass
@@ -104,6 +159,47 @@ class FixedStepCost(StepCostModel):
     @property
     def coefficients(self) -> tuple[float, float, float, float]:
         return self.fixed
+
+    @property
+    def knee(self) -> int:
+        return self.fixed_knee
+
+
+def drafting_pays(model: StepCostModel, requests: int, draft_tokens: float, expected_accepted: float,
+                  drafting_s: float, plain_s: float, min_gain: float = 0.0) -> bool:
+    """Whether a step that looks up and verifies drafts beats one that does neither by ``min_gain``,
+    the proposer's own time included (it is on a synchronous engine's critical path): the drafts
+    verify ``draft_tokens`` tokens expected to add ``expected_accepted`` committed tokens, the
+    proposer takes ``drafting_s`` in such a step and ``plain_s`` in a step without lookups."""
+    with_drafts = model.step_time(requests, draft_tokens) + drafting_s
+    without = model.step_time(requests, 0) + plain_s
+    if with_drafts <= 0.0 or without <= 0.0:
+        return True  # nothing measured yet
+    return (requests + expected_accepted) * without > (1.0 + min_gain) * requests * with_drafts
+
+
+def fit_plateau(points: Sequence[tuple[int, float]]) -> tuple[float, float, float]:
+    """(time without drafts, seconds per draft token past the plateau, draft tokens inside it) of
+    step times at one batch size, ``points`` = (draft tokens, seconds): the least-squares fit of
+    ``t = base + per_token * max(0, d - free)`` over breakpoints at and between the points."""
+    if not points:
+        raise ValueError("no points to fit")
+    drafts = np.array([float(d) for d, _ in points])
+    seconds = np.array([float(t) for _, t in points])
+    known = sorted({0.0, *drafts.tolist()})
+    candidates = sorted({*known, *(a + (b - a) * i / 16 for a, b in zip(known, known[1:], strict=False)
+                                  for i in range(1, 16))})
+    best: tuple[float, float, float, float] | None = None
+    for free in candidates:
+        x = np.maximum(0.0, drafts - free)
+        design = np.stack([np.ones_like(x), x], axis=1)
+        (base, per_token), *_ = np.linalg.lstsq(design, seconds, rcond=None)
+        per_token = max(0.0, float(per_token))
+        error = float(np.sum((base + per_token * x - seconds) ** 2))
+        if best is None or error < best[0] * (1.0 - 1e-9):
+            best = (error, float(base), per_token, free if per_token > 0 else float(drafts.max()))
+    _, base, per_token, free = best
+    return base, per_token, free
 
 
 def choose_draft_lengths(survival: Sequence[Sequence[float]], model: StepCostModel, min_gain: float = 0.0) -> list[int]:
@@ -115,18 +211,24 @@ def choose_draft_lengths(survival: Sequence[Sequence[float]], model: StepCostMod
     base, per_request, per_token, per_verify = model.coefficients
     if per_token <= 0.0 and per_verify <= 0.0:
         return [len(s) for s in survival]
-    lengths = [0] * len(survival)
-    plain = float(len(survival))                     # every request commits one token per step
-    plain_time = base + per_request * len(survival)
-    committed, time = plain, plain_time + per_verify
+    requests = len(survival)
+    free = max(0, model.knee - requests)              # draft tokens inside the plateau
+    lengths = [0] * requests
+    plain = float(requests)                           # every request commits one token per step
+    plain_time = base + per_request * requests
+    committed, time, taken = plain, plain_time + per_verify, 0
     for chance, r, i in _best_first(survival):
-        if chance * time <= demand * per_token * committed:
+        cost = per_token if taken >= free else 0.0
+        if chance * time <= demand * cost * committed:
             break  # the best remaining token does not pay for its verification
         lengths[r] = i + 1
         committed += chance
-        time += per_token
-    if committed * plain_time <= demand * plain * time:  # verifying at all costs more than the drafts save
-        return [0] * len(survival)
+        time += cost
+        taken += 1
+    # The whole set must pay for verifying at all, its expected tokens taken at 1 / demand of
+    # their estimate and its added time at demand times the fit's.
+    if (plain + (committed - plain) / demand) * plain_time <= plain * (plain_time + demand * (time - plain_time)):
+        return [0] * requests
     return lengths
 
 

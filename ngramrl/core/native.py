@@ -6,12 +6,13 @@ once; the C++ side releases the GIL for the work. See docs/native.md for the lay
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
-from ngramrl.core.batch import SOURCES, DraftBatch, OutcomeBatch, as_rows
+from ngramrl.core.batch import SOURCES, DraftBatch, OutcomeBatch, as_rows, step_cost
 from ngramrl.core.drafter import Draft
 
 
@@ -128,6 +129,10 @@ class NativeCore:
             raise ValueError(f"{len(probs)} probabilities for {len(tokens)} draft tokens")
         self._core.prefetch(handles, tokens, offsets, probs, int(k), np.ascontiguousarray(absorb, dtype=np.int64))
 
+    def wait_idle(self, seconds: float) -> bool:
+        """Wait at most ``seconds`` for the background work (inserts, prefetch); whether it finished."""
+        return bool(self._core.wait_idle(float(seconds)))
+
     def collect(self, cancel: bool = False) -> OutcomeBatch:
         """Wait for the background work (``cancel``: stop the prefetch lookups not yet started) and
         return the outcomes the last prefetch looked up."""
@@ -144,12 +149,13 @@ class NativeCore:
     def chances(self, probs: Any, offsets: Any) -> np.ndarray:
         return self._core.chances(np.asarray(probs, dtype=np.float64), np.asarray(offsets, dtype=np.int64))
 
-    def lengths(self, probs: Any, offsets: Any, scale: float, coefficients: tuple[float, float, float, float],
-                min_gain: float, adaptive: bool = True, probe_tokens: int = 0) -> tuple[np.ndarray, float, bool, bool]:
+    def lengths(self, probs: Any, offsets: Any, scale: float, fit: Sequence[float], min_gain: float,
+                adaptive: bool = True, probe_tokens: int = 0) -> tuple[np.ndarray, float, bool, bool]:
         """``ngramrl.core.batch.choose_lengths`` on this core's calibration, in C++."""
+        model = step_cost(fit)  # checked here, read in C++
         return self._core.lengths(np.asarray(probs, dtype=np.float64), np.asarray(offsets, dtype=np.int64),
-                                  float(scale), [float(c) for c in coefficients], float(min_gain), bool(adaptive),
-                                  int(probe_tokens))
+                                  float(scale), [*(float(c) for c in model.coefficients), float(model.knee)],
+                                  float(min_gain), bool(adaptive), int(probe_tokens))
 
     def calibration_state(self) -> list[list[float]]:
         return self._core.calibration_state()

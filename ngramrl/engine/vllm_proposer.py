@@ -19,6 +19,7 @@ import os
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,12 +27,13 @@ import numpy as np
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.batch import DraftBatch, choose_lengths, make_core
-from ngramrl.core.cost import StepCostModel
+from ngramrl.core.cost import StepCostModel, drafting_pays
 from ngramrl.core.drafter import EMPTY, Draft
 from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower
 
 CONFIG_ENV = "NGRAMRL_CONFIG"
 PROBE_TOKENS = (1, 4)  # draft tokens verified by the probes while drafting is off, in turn
+OWN_TIME_DECAY = 0.9  # the weight of the earlier steps in the proposer's own time and its lookups' yield
 
 
 def config_to_env(config: NgramRLConfig) -> str:
@@ -150,14 +152,21 @@ def _eos_ids(vllm_config: Any) -> tuple[int, ...]:
 
 
 class NgramRLProposer:
-    """vLLM ``custom_class`` proposer drafting from per-prompt rollout history."""
+    """vLLM ``custom_class`` proposer drafting from per-prompt rollout history.
 
-    def __init__(self, vllm_config: Any) -> None:
+    vLLM builds it from its config alone (settings from ``NGRAMRL_CONFIG``). Outside vLLM (a
+    simulated engine, ``ngramrl.bench.steps``) ``config`` gives the settings directly and ``clock``
+    (nanoseconds) the time the step-cost model learns from: a simulation's clock makes it learn
+    simulated step times."""
+
+    def __init__(self, vllm_config: Any, config: NgramRLConfig | None = None,
+                 clock: Callable[[], int] = time.perf_counter_ns) -> None:
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.vocab_size = _vocab_size(vllm_config)
-        self.config = config_from_env(os.environ.get(CONFIG_ENV))
+        self.config = config if config is not None else config_from_env(os.environ.get(CONFIG_ENV))
+        self.clock = clock
         stops = tuple(sorted(set(self.config.drafter.stop_tokens) | set(_eos_ids(vllm_config))))
         self.drafter_config = DrafterConfig(**{**self.config.drafter.__dict__, "stop_tokens": stops})
         self.runner: Any = None
@@ -169,6 +178,12 @@ class NgramRLProposer:
         self.follower = DraftFollower(self.calibration)  # learns from cut drafts too
         self._delivered = [0.0, 0.0]  # accepted vs expected verified draft tokens, recent steps weigh more
         self.cost = StepCostModel(self.config.engine.cost_decay)
+        # The proposer's own time per row in steps without lookups and with them, and the lookup
+        # steps' draft tokens and the accepted tokens those are expected to bring, per row (recent
+        # steps weigh more): its time is on a synchronous engine's critical path, so lookups must
+        # pay for it too (``_lookups_pay``).
+        self._own_per_row: list[float | None] = [None, None]
+        self._lookup_per_row: tuple[float, float] | None = None
         self._pending: dict[str, Draft] = {}   # drafts sent for verification in the last step
         self._verified_tokens = 0               # draft tokens the last step's forward verified
         self._step_started: float | None = None
@@ -312,7 +327,7 @@ class NgramRLProposer:
         runner = self.runner
         if runner is None:
             return [[] for _ in sampled_token_ids]
-        begin = time.perf_counter_ns()
+        begin = self.clock()
         req_ids = runner.input_batch.req_ids
         batch = tuple(req_ids[:len(sampled_token_ids)])
         # The forward that verified our last drafts just ran. Only steady decode steps (the same
@@ -356,7 +371,8 @@ class NgramRLProposer:
         made = self._draft(rows)
         lengths, expected, paid = self._lengths(made, exploring)
         if looked and self.config.engine.adaptive_length:
-            self._back_off(paid, len(rows), exploring)
+            pays = paid and self._lookups_pay(len(rows), sum(lengths), expected * self._delivery())
+            self._back_off(pays, len(rows), exploring)
         self.stats.expected_accepted += expected
         decay = self.config.prefetch.calibration_decay  # recent steps count: acceptance drifts
         self._delivered = [decay * self._delivered[0], decay * self._delivered[1] + expected]
@@ -380,7 +396,12 @@ class NgramRLProposer:
         self._verified_tokens = sum(len(d) for d in drafts)  # draft tokens the next forward verifies
         self._end_step(rows, [self._pending.get(row.req_id, EMPTY) for row in rows])
         self.stats.steps += 1
-        end = time.perf_counter_ns()
+        end = self.clock()
+        if rows:
+            previous = self._own_per_row[int(looked)]
+            per_row = (end - begin) / 1e9 / len(rows)
+            self._own_per_row[int(looked)] = (per_row if previous is None
+                                              else OWN_TIME_DECAY * previous + (1.0 - OWN_TIME_DECAY) * per_row)
         self.stats.draft_ns_total += end - begin
         self.stats.recent_draft_ns.append(end - begin)
         self._step_started = end / 1e9
@@ -406,20 +427,43 @@ class NgramRLProposer:
         (not a probe) kept any token."""
         engine = self.config.engine
         flat = self._step_batch if self.core is not None else DraftBatch.from_drafts(drafts)
-        # The tokens chosen are those the model rates highest, so their chances run high (the
-        # winner's curse): scale them by what verified drafts delivered against what was expected.
-        delivered = min(1.0, (self._delivered[0] + 8.0) / (self._delivered[1] + 8.0))
+        delivered = self._delivery()
         probe = PROBE_TOKENS[self._probes % 2] if exploring else 0
         if self.core is not None:  # one call, in the native core where it is built
             chosen, expected, paid, probed = self.core.lengths(flat.probs, flat.offsets, delivered,
-                                                               self.cost.coefficients, engine.min_gain,
+                                                               self.cost.fit, engine.min_gain,
                                                                engine.adaptive_length, probe)
         else:
             chosen, expected, paid, probed = choose_lengths(self.calibration, flat.probs, flat.offsets, delivered,
-                                                            self.cost.coefficients, engine.min_gain,
+                                                            self.cost.fit, engine.min_gain,
                                                             engine.adaptive_length, probe)
         self._probes += probed
         return chosen.tolist(), expected, paid
+
+    def _delivery(self) -> float:
+        """What verified drafts delivered against what their chances expected (at most 1): the
+        tokens chosen are those the model rates highest, so their chances run high (the winner's
+        curse), and the cost model reads them scaled by this."""
+        return min(1.0, (self._delivered[0] + 8.0) / (self._delivered[1] + 8.0))
+
+    def _lookups_pay(self, rows: int, draft_tokens: int, gained: float) -> bool:
+        """Whether the drafts the cost model keeps pay for the proposer's own time in lookup steps,
+        on average. This step looked up and the cost model kept ``draft_tokens`` tokens expected to
+        bring ``gained`` accepted ones. On a synchronous engine the proposer's call is on the
+        critical path and takes longer in a lookup step than in one without lookups: the average
+        such step of late (its draft tokens and their expected tokens per row, and the proposer's
+        time per row in lookup steps) must beat a step without lookups (the proposer's time per row
+        in those) at this batch size. Break-even is enough: the cost model asked each kept token for
+        its margin already. Averages, not this step alone: one step's yield is noisy, and the
+        proposer's time in a step is known only once it returns. Lookup steps that keep nothing
+        are not averaged in; they back off on their own (``_back_off``)."""
+        here = (draft_tokens / max(1, rows), gained / max(1, rows))
+        before = self._lookup_per_row
+        self._lookup_per_row = here if before is None else tuple(
+            OWN_TIME_DECAY * b + (1.0 - OWN_TIME_DECAY) * h for b, h in zip(before, here, strict=True))
+        tokens_per_row, gained_per_row = self._lookup_per_row
+        plain, drafting = ((per_row or 0.0) * rows for per_row in self._own_per_row)
+        return drafting_pays(self.cost, rows, tokens_per_row * rows, gained_per_row * rows, drafting, plain)
 
     def _back_off(self, kept: bool, rows: int, exploring: bool) -> None:
         """A lookup step kept some draft tokens (look up every step, probe at the shortest
@@ -503,4 +547,4 @@ class NgramRLProposer:
                                     else None),
                 "draft_us_total": stats.draft_ns_total / 1000, "step_base_s": base,
                 "step_per_request_s": per_request, "step_per_token_s": per_token,
-                "step_per_verify_s": per_verify, **self._backend_stats()}
+                "step_per_verify_s": per_verify, "step_knee_tokens": self.cost.knee, **self._backend_stats()}

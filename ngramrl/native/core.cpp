@@ -19,6 +19,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 
 #include "automaton.hpp"
@@ -120,6 +121,12 @@ public:
     void wait() {
         std::unique_lock<std::mutex> lock(mutex_);
         idle_.wait(lock, [this] { return queue_.empty() && !busy_; });
+    }
+    // Wait at most ``seconds`` for the queued work to finish; whether it had.
+    bool wait_for(double seconds) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        return idle_.wait_for(lock, std::chrono::duration<double>(std::max(0.0, seconds)),
+                              [this] { return queue_.empty() && !busy_; });
     }
 
 private:
@@ -533,6 +540,9 @@ public:
         });
     }
 
+    // Wait at most ``seconds`` for the background work (a forward's length); whether it finished.
+    bool wait_idle(double seconds) { return background_.wait_for(seconds); }
+
     // Stop (cancel) or finish the background work; the outcomes the last prefetch looked up.
     py::tuple collect(bool cancel) {
         {
@@ -586,7 +596,8 @@ public:
                          const std::vector<double>& coefficients, double min_gain, bool adaptive, int32_t probe_tokens) {
         join();
         LengthChoice out;
-        const double c[4] = {coefficients.at(0), coefficients.at(1), coefficients.at(2), coefficients.at(3)};
+        if (coefficients.size() != 5) throw std::invalid_argument("a step-cost fit has 5 values");
+        const double c[5] = {coefficients[0], coefficients[1], coefficients[2], coefficients[3], coefficients[4]};
         choose_lengths(calibration_, probs.data(), offsets.data(), offsets.size() - 1, scale, c, min_gain, adaptive,
                        probe_tokens, out);
         return out;
@@ -1098,6 +1109,7 @@ PYBIND11_MODULE(_native, m) {
                  c.prefetch(h, t, o, p, k, a);
              })
         .def("collect", &Core::collect)
+        .def("wait_idle", &Core::wait_idle, py::call_guard<py::gil_scoped_release>())
         .def("observe",
              [](Core& c, F64 probs, I64 offsets, I64 accepted) {
                  auto p = from_array(probs);

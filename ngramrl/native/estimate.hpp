@@ -425,7 +425,9 @@ private:
 };
 
 // cost.choose_draft_lengths and probe_lengths over calibrated survival chances, and the accepted
-// tokens the unscaled chances expect of what is kept (the proposer's _lengths).
+// tokens the unscaled chances expect of what is kept (the proposer's _lengths). ``fit``: the
+// step-cost model's StepCostModel.fit (base, per request, per token past the plateau, per
+// verifying step, the plateau's knee in tokens).
 struct LengthChoice {
     std::vector<int32_t> lengths;
     double expected = 0.0;
@@ -434,7 +436,7 @@ struct LengthChoice {
 };
 
 inline void choose_lengths(const Calibration& calibration, const double* probs, const int64_t* offsets, size_t rows,
-                           double scale, const double coefficients[4], double min_gain, bool adaptive,
+                           double scale, const double fit[5], double min_gain, bool adaptive,
                            int32_t probe_tokens, LengthChoice& out) {
     out.lengths.assign(rows, 0);
     out.expected = 0.0;
@@ -484,23 +486,30 @@ inline void choose_lengths(const Calibration& calibration, const double* probs, 
         for (size_t r = 0; r < rows; ++r) out.lengths[r] = static_cast<int32_t>(offsets[r + 1] - offsets[r]);
         out.paid = true;
     } else {
-        const double base = coefficients[0], per_request = coefficients[1], per_token = coefficients[2],
-                     per_verify = coefficients[3];
+        const double base = fit[0], per_request = fit[1], per_token = fit[2], per_verify = fit[3];
+        const int64_t knee = static_cast<int64_t>(fit[4]);
         const double demand = 1.0 + min_gain;
         if (per_token <= 0.0 && per_verify <= 0.0) {
             for (size_t r = 0; r < rows; ++r) out.lengths[r] = static_cast<int32_t>(offsets[r + 1] - offsets[r]);
         } else {
             const double plain = static_cast<double>(rows);
             const double plain_time = base + per_request * static_cast<double>(rows);
+            const int64_t free = std::max<int64_t>(0, knee - static_cast<int64_t>(rows));  // inside the plateau
             double committed = plain, time = plain_time + per_verify;
+            int64_t taken = 0;
             best_first(scaled, [&](const Next& n) {
-                if (n.s * time <= demand * per_token * committed) return false;
+                const double cost = taken >= free ? per_token : 0.0;
+                if (n.s * time <= demand * cost * committed) return false;
                 out.lengths[n.r] = static_cast<int32_t>(n.i) + 1;
                 committed += n.s;
-                time += per_token;
+                time += cost;
+                ++taken;
                 return true;
             });
-            if (committed * plain_time <= demand * plain * time) out.lengths.assign(rows, 0);
+            // The whole set pays for verifying at all with its expected tokens taken at 1 / demand
+            // and its added time at demand times the fit's.
+            if ((plain + (committed - plain) / demand) * plain_time <= plain * (plain_time + demand * (time - plain_time)))
+                out.lengths.assign(rows, 0);
         }
         for (int32_t n : out.lengths) out.paid = out.paid || n > 0;
         if (probe_tokens > 0 && !out.paid) {

@@ -143,9 +143,12 @@ def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
             nat.observe(probs, voff, accepted)
             assert np.array_equal(ref.chances(probs, voff), nat.chances(probs, voff)), where
         if rng.random() < 0.5:  # the cost model's choice of draft lengths, on the calibration both learned
-            coefficients = rng.choice([(0.03, 0.001, 0.0, 0.0), (0.03, 0.001, 0.001, 0.0), (9e-5, 0.003, 0.002, 3e-5),
-                                       (0.02, 0.0002, 1e-5, 0.0)])
-            args = (a.probs, a.offsets, rng.choice([1.0, 0.7]), coefficients, rng.choice([0.0, 0.1]),
+            # (base, per request, per token, per verify, knee): without a plateau, and with one that
+            # holds some of the batch's draft tokens (a GPU's memory-bound forward)
+            fit = rng.choice([(0.03, 0.001, 0.0, 0.0, 0), (0.03, 0.001, 0.001, 0.0, 0), (9e-5, 0.003, 0.002, 3e-5, 0),
+                              (0.02, 0.0002, 1e-5, 0.0, 0), (0.02, 0.0002, 1e-3, 1e-4, len(handles) + 3),
+                              (0.02, 0.0002, 1e-3, 0.0, 2 * len(handles))])
+            args = (a.probs, a.offsets, rng.choice([1.0, 0.7]), fit, rng.choice([0.0, 0.1]),
                     rng.random() < 0.8, rng.choice([0, 1, 4]))
             left, right = ref.lengths(*args), nat.lengths(*args)
             assert np.array_equal(left[0], right[0]) and left[1:] == right[1:], f"{where}: lengths {left} {right}"
@@ -333,6 +336,22 @@ def trace_run(path: str, batch: int, limit: int, threads: int) -> int:
 @pytest.mark.parametrize("path", builtin_traces(), ids=os.path.basename)
 def test_native_equals_reference_on_shipped_traces(path):
     assert trace_run(path, batch=16, limit=48, threads=2) > 20
+
+
+def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    import ngramrl
+    from ngramrl.core.batch import make_core, native_module
+
+    stale = SimpleNamespace(Core=type("Core", (), {}))  # no wait_idle: built before it existed
+    monkeypatch.setitem(sys.modules, "ngramrl._native", stale)
+    monkeypatch.setattr(ngramrl, "_native", stale, raising=False)
+    assert native_module() is None
+    assert not make_core().native  # the reference, with one logged line
+    with pytest.raises(RuntimeError, match="not built"):
+        make_core(native=True)
 
 
 def first_draft(core, prompt_id: str, prompt: list[int], context: list[int], k: int = 4):

@@ -1,6 +1,13 @@
 import pytest
 
-from ngramrl.core.cost import StepCostModel, choose_draft_lengths, probe_lengths
+from ngramrl.core.cost import (
+    FixedStepCost,
+    StepCostModel,
+    choose_draft_lengths,
+    drafting_pays,
+    fit_plateau,
+    probe_lengths,
+)
 
 
 def fitted(points):
@@ -104,3 +111,78 @@ def test_survival_chances_are_computed_only_as_far_as_read():
     assert lazy[:3] == pytest.approx([0.5 * v for v in eager[:3]])
     model = fitted([(r, d, 0.001 + 0.003 * r + 0.0031 * d) for r in (16, 32) for d in (0, 1, 4)])
     choose_draft_lengths([Survival(probs, calibration) for _ in range(32)], model)  # lazy rows are accepted
+
+
+def gpu_like(requests, drafts, knee=256):
+    """A memory-bound plateau: reading the weights costs the same up to ``knee`` tokens a step."""
+    return 0.006 + 0.00001 * requests + 0.00002 * max(0, requests + drafts - knee)
+
+
+def test_fit_finds_a_memory_bound_plateau_and_predicts_across_it():
+    points = [(r, d, gpu_like(r, d)) for r in (8, 32, 64, 128) for d in (0, r, 2 * r, 4 * r, 8 * r)]
+    model = fitted(points)
+    assert 192 <= model.knee <= 384
+    assert model.coefficients[2] == pytest.approx(0.00002, rel=0.3)
+    for r, d, seconds in points:
+        assert model.step_time(r, d) == pytest.approx(seconds, rel=0.05)
+    linear = StepCostModel(decay=1.0)
+    linear._knees[:] = 0  # noqa: SLF001 - the same fit without a plateau, for contrast
+    for r, d, seconds in points:
+        linear.observe(r, d, seconds)
+    worst = max(abs(linear.step_time(r, d) - t) / t for r, d, t in points)
+    assert worst > 0.15  # a straight line cannot follow the plateau
+
+
+def test_tokens_inside_the_plateau_are_kept_even_when_unlikely():
+    model = FixedStepCost(0.006, 0.00001, 0.00002, 0.0, knee=256)
+    weak = [[0.3, 0.2, 0.1, 0.05]] * 32  # 128 draft tokens: all inside the plateau at 32 requests
+    assert choose_draft_lengths(weak, model) == [4] * 32
+    assert model.drafting_can_pay(32)
+    crowded = [[0.3, 0.2, 0.1, 0.05]] * 250  # the plateau holds 6 draft tokens at 250 requests
+    assert sum(choose_draft_lengths(crowded, model)) == 6
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_cpus_linear_steps_keep_the_linear_fit(seed):
+    # Every token costs, as on a CPU (the engine's fit at 8 requests in flight), with 3% noise.
+    import random
+
+    rng = random.Random(seed)
+    truth = (9.2e-05, 0.00294, 0.00225, 3.4e-05)
+    points = [(r, d, (truth[0] + truth[1] * r + truth[2] * d + truth[3] * (d > 0)) * rng.uniform(0.97, 1.03))
+              for r in (4, 8, 16) for d in (0, 0, 1, 4, 8) for _ in range(4)]
+    model = fitted(points)
+    assert model.knee == 0
+    assert model.coefficients[2] == pytest.approx(truth[2], rel=0.15)
+
+
+def test_plateau_fit_of_one_batch_size():
+    points = [(d, 0.01 + 0.00003 * max(0, d - 100)) for d in (0, 32, 64, 128, 256, 512)]
+    base, per_token, free = fit_plateau(points)
+    assert base == pytest.approx(0.01, rel=0.01) and per_token == pytest.approx(0.00003, rel=0.1)
+    assert 64 <= free <= 128
+    assert fit_plateau([(d, 0.01) for d in (0, 8, 64)])[1:] == (0.0, 64.0)  # flat: all free
+
+
+def test_lookups_must_pay_for_the_proposers_own_time():
+    model = FixedStepCost(0.006, 0.00001, 0.0, 0.0)  # verifying is free
+    # 32 requests in a 6.3 ms step, drafts expected to add 8 tokens (25%): worth 0.8 ms of lookups, not 3 ms
+    assert drafting_pays(model, 32, 64, 8.0, drafting_s=0.0008, plain_s=0.0002, min_gain=0.1)
+    assert not drafting_pays(model, 32, 64, 8.0, drafting_s=0.003, plain_s=0.0002, min_gain=0.1)
+
+
+def test_the_fit_with_its_plateau_is_carried_to_a_new_model():
+    model = fitted([(r, d, gpu_like(r, d)) for r in (16, 64) for d in (0, r, 4 * r, 8 * r)])
+    again = StepCostModel()
+    again.load_state(model.state())
+    assert again.knee == model.knee and again.coefficients == pytest.approx(model.coefficients)
+
+
+def test_nearly_free_verification_keeps_even_a_weak_draft():
+    # A GPU at batch 1: a draft token adds 1.8 us to a 5.5 ms step. A draft expected to bring 0.07
+    # tokens still pays; the margin applies to the estimates, not as a demand for a 10% faster step.
+    model = FixedStepCost(0.0055, 0.00001, 0.0000018, 0.0)
+    assert choose_draft_lengths([[0.05, 0.02]], model, min_gain=0.1) == [2]
+    # a CPU at 32 requests: one likely token (0.6) is not worth 2% more step time with the margins
+    cpu = FixedStepCost(0.026, 0.00236, 0.00186, 0.00006)
+    assert choose_draft_lengths([[0.6]] + [[]] * 31, cpu, min_gain=0.1) == [0] * 32

@@ -2,42 +2,22 @@
 prefetch runs. (The real engine is exercised in test_vllm.py.)"""
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from ngramrl.config import EngineConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.cost import FixedStepCost, StepCostModel
+from ngramrl.engine.standin import StandInRunner, standin_vllm_config
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, _cpu_list, config_to_env, prefetch_plan
 
 
-class FakeRunner:
-    """What the proposer reads of vLLM's model runner: the batch's request ids and each request."""
-
-    def __init__(self):
-        self.input_batch = SimpleNamespace(req_ids=[])
-        self.requests = {}
-
-    def add(self, req_id, prompt_id, prompt):
-        self.requests[req_id] = SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"prompt_id": prompt_id}),
-                                                prompt_token_ids=list(prompt), output_token_ids=[])
-        self.input_batch.req_ids.append(req_id)
-
-    def remove(self, req_id):
-        del self.requests[req_id]
-        self.input_batch.req_ids.remove(req_id)
-
-
-def make_proposer(monkeypatch, cost, k=4, prefetch="off", prefetch_config=None, **engine):
+def make_proposer(monkeypatch, cost, k=4, prefetch="off", prefetch_config=None, clock=time.perf_counter_ns,
+                  **engine):
     monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch, **engine),
                                                                prefetch=prefetch_config or PrefetchConfig())))
-    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
-                                  model_config=SimpleNamespace(max_model_len=4096,
-                                                               hf_config=SimpleNamespace(eos_token_id=2)),
-                                  device_config=SimpleNamespace(device_type="cpu"))
-    proposer = NgramRLProposer(vllm_config)
+    proposer = NgramRLProposer(standin_vllm_config(k, eos_token_ids=(2,), max_model_len=4096), clock=clock)
     proposer.cost = cost
-    runner = FakeRunner()
+    runner = StandInRunner()
     proposer.bind_runner(runner)
     looked_up = []
     step_call = proposer.core.step
@@ -75,6 +55,50 @@ def test_lookups_back_off_while_the_cost_model_keeps_nothing(monkeypatch):
     # (0, 16, 48, 112, 240: the interval doubles from 16) always look up.
     assert steps == [0, 2, 6, 14, 16, 33, 48, 65, 82, 99, 112, 129, 146, 163, 180, 197, 214, 231, 240, 257, 274,
                      291]
+
+
+class SteppedClock:
+    """Time that passes only when told (nanoseconds)."""
+
+    def __init__(self):
+        self.now = 0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("lookup_ms, lookups", [(0, 100), (400, 12)])
+def test_lookups_back_off_when_they_cost_more_than_their_drafts_save(monkeypatch, lookup_ms, lookups):
+    # Verifying is free and every draft is accepted; a 31 ms step gains up to 4 tokens from it.
+    # Lookups taking 400 ms of the proposer's time (on the critical path) cannot pay for that.
+    clock = SteppedClock()
+    proposer, runner, looked_up = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), clock=clock)
+    pattern = [100, 101, 102, 103, 104, 105]
+    proposer.core.add_rollout("p", [1, 2, 3], pattern * 200, epoch=0)
+    runner.add("r0", "p", [1, 2, 3])
+    spied = proposer.core.step
+
+    def slow(handles, tokens, offsets, ks):
+        if any(k > 0 for k in ks):  # a step that looks up takes lookup_ms of the proposer's time
+            clock.now += lookup_ms * 1_000_000
+        return spied(handles, tokens, offsets, ks)
+
+    proposer.core.step = slow
+    position, draft, accepted = 0, [], 0
+    for _ in range(100):
+        # the target accepts what the draft got right of the pattern, then adds the next token
+        right = 0
+        while right < len(draft) and draft[right] == pattern[(position + right) % 6]:
+            right += 1
+        tokens = [pattern[(position + i) % 6] for i in range(right + 1)]
+        position += len(tokens)
+        accepted += right
+        draft = proposer.propose([tokens], [3 + position], None)[0]
+        clock.now += 31_000_000
+    if lookup_ms == 0:
+        assert len(looked_up) == lookups and accepted > 200
+    else:
+        assert len(looked_up) <= lookups
 
 
 def test_a_batch_half_the_size_looks_again_at_once(monkeypatch):

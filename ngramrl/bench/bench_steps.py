@@ -1,0 +1,100 @@
+"""``ngramrl bench-steps``: the drafting proposer's time per engine step at B requests in flight.
+
+Each trace's last epoch is replayed as one rollout phase through ``ngramrl.bench.steps`` (its
+earlier epochs are the history), with copies of its prompts where it has fewer than 2B rollouts,
+so that B requests stay in flight for most steps. The step time reported is the proposer's call,
+the critical path of a synchronous engine step; it is measured on the steps with B requests in
+flight. The forward's length, which is how long a prefetch worker may run and what the proposer's
+step-cost model learns, comes from a step profile (default: the roofline of a Qwen3-8B shape on
+an H100). JSON: docs/bench-contract.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from ngramrl.bench.report import print_now
+from ngramrl.bench.steps import build_engine, copies_for, method_available, prepare_workload, summarize_steps
+from ngramrl.core.profile import MODEL_SHAPES, StepProfile, check_output, load_profile, roofline_profile
+from ngramrl.core.trace import read_trace
+
+BENCH_STEPS_VERSION = 1
+STEP_METHODS = ("ngramrl", "ngramrl-prefetch", "suffix")
+
+
+@dataclass
+class BenchStepsConfig:
+    traces: list[str]
+    batches: list[int]
+    threads: int = 1
+    methods: list[str] = field(default_factory=lambda: list(STEP_METHODS))
+    k: int = 8
+    profile: str | None = None    # a step profile's path; None: the H100 roofline of Qwen3-8B
+    flush_mb: float = 32.0
+    json_out: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.traces:
+            raise ValueError("no trace given")
+        if not self.batches or any(b < 1 for b in self.batches):
+            raise ValueError(f"--batch values must be >= 1, got {self.batches}")
+        if self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        for method in self.methods:
+            if method not in STEP_METHODS:
+                raise ValueError(f"unknown method {method!r}; choose from {', '.join(STEP_METHODS)}")
+        if self.k < 1:
+            raise ValueError(f"--k must be >= 1, got {self.k}")
+        if self.flush_mb < 0:
+            raise ValueError(f"--flush-mb must be >= 0, got {self.flush_mb}")
+
+
+def default_profile(k: int) -> StepProfile:
+    return roofline_profile("h100", MODEL_SHAPES["qwen3-8b"], k=k)
+
+
+def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print_now) -> dict:
+    check_output(config.json_out)
+    traces = [read_trace(path) for path in config.traces]  # all validated before any work starts
+    profile = load_profile(config.profile) if config.profile else default_profile(config.k)
+    skipped = {m: why for m in config.methods if (why := method_available(m))}
+    for method, why in skipped.items():
+        log(f"bench-steps: skipping {method}: {why}")
+    runs = []
+    for trace in traces:
+        last = max(r.epoch for r in trace.rollouts)
+        if last < 1:
+            raise ValueError(f"{trace.path}: one epoch only; bench-steps needs earlier epochs as history")
+        for batch in config.batches:
+            workload = prepare_workload(trace, last, copies_for(trace, last, 2 * batch))
+            for method in config.methods:
+                if method in skipped:
+                    continue
+                engine = build_engine(method, workload, config.k, profile, config.threads,
+                                      int(config.flush_mb * (1 << 20)))
+                try:
+                    records = engine.run_phase(workload.phases[0], batch)
+                finally:
+                    engine.close()
+                summary = summarize_steps(records, batch)
+                run = {"trace": trace.path, "method": method, "batch": batch,
+                       "threads": config.threads if method.startswith("ngramrl") else 1,
+                       **{key: round(value, 3) if isinstance(value, float) else value
+                          for key, value in asdict(summary).items()}}
+                runs.append(run)
+                log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} steps {run['steps']:>5}  "
+                    f"step {run['step_us_median']:>9.1f} / {run['step_us_mean']:>9.1f} / {run['step_us_p99']:>9.1f} us "
+                    f"(median/mean/p99)  {run['request_us_mean']:>6.1f} us/request  offpath "
+                    f"{run['offpath_us_mean']:>8.1f} us  tok/fwd {run['tokens_per_forward']:.3f}")
+    result = {"ngramrl_bench_steps": BENCH_STEPS_VERSION, "runs": runs,
+              "profile": {"source": profile.source, "model": profile.model.get("name"),
+                          "device": profile.device.get("name"), "path": config.profile},
+              "k": config.k, "flush_mb": config.flush_mb}
+    if config.json_out:
+        with open(config.json_out, "w") as handle:
+            json.dump(result, handle, indent=1)
+        log(f"wrote {config.json_out}")
+    return result

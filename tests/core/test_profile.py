@@ -1,0 +1,94 @@
+"""Step profiles: the roofline is physical, the table interpolates, and bad profiles are refused."""
+
+import json
+
+import pytest
+
+from ngramrl.core.profile import (
+    GPU_SPECS,
+    MODEL_SHAPES,
+    HostOverhead,
+    ModelShape,
+    StepProfile,
+    load_profile,
+    model_shape,
+    roofline_profile,
+    weight_read_seconds,
+    write_profile,
+)
+
+
+def test_qwen3_8b_shape_has_its_published_size():
+    shape = MODEL_SHAPES["qwen3-8b"]
+    assert shape.params == pytest.approx(8.19e9, rel=0.01)  # Qwen3-8B: 8.2B parameters
+    assert shape.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2
+
+
+@pytest.mark.parametrize("gpu", sorted(GPU_SPECS))
+def test_no_roofline_step_is_faster_than_reading_the_weights_once(gpu):
+    shape = MODEL_SHAPES["qwen3-8b"]
+    profile = roofline_profile(gpu, shape)
+    floor = weight_read_seconds(shape, GPU_SPECS[gpu]) * 1000
+    assert profile.floor_ms == pytest.approx(floor)
+    assert min(v for row in profile.step_ms for cell in row for v in cell) >= floor
+    if gpu == "h100":
+        assert 5.0 <= profile.forward_seconds(1, 1, 256) * 1000 <= 6.5  # "about 5 ms or more"
+
+
+def test_roofline_is_flat_while_memory_bound_and_grows_with_tokens_once_compute_bound():
+    profile = roofline_profile("h100", MODEL_SHAPES["qwen3-8b"])
+    one = profile.forward_seconds(1, 1, 1024)
+    assert profile.forward_seconds(1, 9, 1024) == pytest.approx(one, rel=0.01)  # drafts nearly free at batch 1
+    big = profile.forward_seconds(512, 512, 1024)
+    assert profile.forward_seconds(512, 512 * 9, 1024) > 2.5 * big  # and dear at batch 512
+    assert profile.forward_seconds(32, 32, 4096) > profile.forward_seconds(32, 32, 256)  # the KV cache is read
+
+
+def test_the_table_interpolates_linearly_and_extrapolates_upwards():
+    table = [[[1.0 + b + 0.5 * t + 0.01 * c for c in (100, 300)] for t in (1, 3)] for b in (1, 5)]
+    profile = StepProfile(source="measured", model={"name": "m"}, device={"name": "d"}, k=2, batches=[1, 5],
+                          tokens=[1, 3], contexts=[100, 300], step_ms=table)
+    assert profile.forward_seconds(5, 15, 300) * 1000 == pytest.approx(1 + 5 + 1.5 + 3)
+    assert profile.forward_seconds(3, 6, 200) * 1000 == pytest.approx(1 + 3 + 1.0 + 2)
+    assert profile.forward_seconds(9, 9, 100) * 1000 == pytest.approx(1 + 9 + 0.5 + 1)  # past the last batch
+    assert profile.forward_seconds(2, 2, 100, prefill_tokens=50) == profile.forward_seconds(2, 2, 100)  # no cost set
+
+
+def test_a_profile_survives_json_and_keeps_its_host_overhead(tmp_path):
+    profile = roofline_profile("a100", MODEL_SHAPES["llama-3.1-8b"], host=HostOverhead(0.5, 0.004))
+    path = tmp_path / "p.json"
+    write_profile(profile, str(path))
+    again = load_profile(str(path))
+    assert again.host == HostOverhead(0.5, 0.004)
+    assert again.forward_seconds(64, 200, 777) == pytest.approx(profile.forward_seconds(64, 200, 777), rel=1e-4)
+    data = json.loads(path.read_text())
+    assert data["ngramrl_step_profile"] == 1 and data["source"] == "roofline"
+    form = {(row["batch"], row["context"]): row for row in data["cost_form"]}
+    assert form[(32, 1024)]["free_draft_tokens"] > 0  # memory-bound at 32: some draft tokens come free
+    assert form[(1024, 1024)]["free_draft_tokens"] == 0 and form[(1024, 1024)]["per_draft_token_us"] > 10
+
+
+def test_a_profile_missing_a_grid_entry_is_refused_with_where(tmp_path):
+    data = roofline_profile("h100", MODEL_SHAPES["qwen3-1.7b"]).to_json()
+    data["steps"] = data["steps"][1:]
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"broken\.json: no step time for \(batch, tokens per request, context\)"):
+        load_profile(str(path))
+    path.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ValueError, match="not an ngramrl step profile"):
+        load_profile(str(path))
+
+
+def test_a_hugging_face_config_gives_the_models_shape(tmp_path):
+    config = {"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936,
+              "tie_word_embeddings": False, "rope_theta": 1000000, "rms_norm_eps": 1e-6}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = model_shape(str(tmp_path))
+    named = MODEL_SHAPES["qwen3-8b"]
+    assert (shape.params, shape.kv_bytes_per_token, shape.qk_norm) == (named.params, named.kv_bytes_per_token, True)
+    with pytest.raises(ValueError, match="neither a known shape"):
+        model_shape("gpt-17")
+    with pytest.raises(ValueError, match="heads"):
+        ModelShape("bad", layers=1, hidden=8, heads=3, kv_heads=2, head_dim=4, intermediate=8, vocab=8)
