@@ -152,12 +152,18 @@ def test_the_cluster_refuses_a_job_submitted_without_its_token(tmp_path):
         assert status == 401, f"the job API answered {status} without a token"
         submit = [os.path.join(ray_bin, "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}",
                   "--no-wait", "--", "python", "-c", "print(1)"]
-        without = subprocess.run(submit, env={**env, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True,
-                                 timeout=120)
-        assert without.returncode != 0
-        with_token = subprocess.run(submit, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True,
-                                    timeout=120)
+        deadline = time.time() + 180
+        while True:  # the job agent starts after the API answers: until then a submission is refused as early
+            with_token = subprocess.run(submit, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True,
+                                        text=True, timeout=120)
+            if with_token.returncode == 0 or "No available agent" not in with_token.stdout + with_token.stderr \
+                    or time.time() > deadline:
+                break
+            time.sleep(2)
         assert with_token.returncode == 0, with_token.stdout + with_token.stderr
+        without = subprocess.run(submit, env={**env, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True,
+                                 timeout=120)  # the agent is up now: only the token is missing
+        assert without.returncode != 0
     finally:
         head.terminate()
         try:

@@ -148,8 +148,17 @@ def test_sigint_saves_the_run_and_resume_continues_it(model_2k, tmp_path):
         for line in cli.stdout:
             if line.startswith("step   1 "):
                 break
-        cli.send_signal(signal.SIGINT)
-        _, err = cli.communicate(timeout=300)
+        # Ray defers a SIGINT that lands inside some of its calls; under heavy load one was seen
+        # lost there. A user presses Ctrl-C again: so does the test, every 30 s.
+        for _ in range(10):
+            cli.send_signal(signal.SIGINT)
+            try:
+                _, err = cli.communicate(timeout=30)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        else:
+            _, err = cli.communicate(timeout=60)
     finally:
         cli.kill()
     assert cli.returncode == 130, err[-3000:]
