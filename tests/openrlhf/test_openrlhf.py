@@ -52,7 +52,7 @@ def generate_epochs(ray, engine, tokenizer, epochs=3):
     return out
 
 
-def test_openrlhf_engines_draft_from_the_pool(ray_with_gpu_token, tiny_model_dir):
+def test_openrlhf_engines_draft_from_the_pool(ray_with_gpu_token, tiny_model_dir, tmp_path):
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
     from openrlhf.trainer.ray import vllm_engine
     from transformers import AutoTokenizer
@@ -68,7 +68,7 @@ def test_openrlhf_engines_draft_from_the_pool(ray_with_gpu_token, tiny_model_dir
                                                gpu_memory_utilization=0.5)
 
     integration = install(NgramRLOptions(shards=2, num_speculative_tokens=4, num_cpus_per_shard=0,
-                                         draft_timeout_ms=200))
+                                         draft_timeout_ms=200, save_dir=str(tmp_path / "pool")))
     # Whole drafts: this test is about the integration's plumbing. On a tiny CPU model the step-cost
     # model may rightly turn drafting off for a while (tested in tests/core/test_cost.py).
     integration.config.engine = EngineConfig(adaptive_length=False, prefetch="on")
@@ -84,6 +84,12 @@ def test_openrlhf_engines_draft_from_the_pool(ray_with_gpu_token, tiny_model_dir
     # Finished rollouts reached the pool, under the prompts' stable ids.
     assert sum(h["rollouts"] for h in health) == 3 * len(PROMPTS) * 3
     assert sum(h["prompts"] for h in health) == len(PROMPTS)
+    # The engines fed the shards directly; each shard journaled what it took (a rebuild replays it).
+    from ngramrl.pipeline.journal import RolloutJournal
+
+    journaled = [r for path in sorted((tmp_path / "pool").glob("shard-*.journal.jsonl"))
+                 for r in RolloutJournal(str(path)).read()]
+    assert len(journaled) == 3 * len(PROMPTS) * 3
     assert prompt_id_for(PROMPTS[0], "") != prompt_id_for(PROMPTS[1], "")
     # The proposer drafted from them once they existed, and OpenRLHF's logs carry the metrics.
     last = with_ngramrl[-1][0][0]["extra_logs"]
