@@ -140,27 +140,38 @@ def test_sigint_saves_the_run_and_resume_continues_it(model_2k, tmp_path):
     sets = [a for key, value in _flat(config.to_dict()) for a in ("--set", f"{key}={json.dumps(value)}")
             if key.split(".")[0] in ("model", "run", "workload", "rollout", "pool", "tracking") or key.startswith(
                 "ngramrl.engine")]
-    cli = subprocess.Popen([sys.executable, "-m", "ngramrl.cli", "train", *sets, "--set", "run.steps=50"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(
-                               os.path.abspath(__file__))))})
+    import time
+
+    # The run's output goes to files (a pipe nobody drains can block it); step 1's line in
+    # metrics.jsonl says when to press Ctrl-C.
+    with open(tmp_path / "cli.out", "w") as stdout, open(tmp_path / "cli.err", "w") as stderr:
+        cli = subprocess.Popen([sys.executable, "-m", "ngramrl.cli", "train", *sets, "--set", "run.steps=50"],
+                               stdout=stdout, stderr=stderr, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.path.dirname(
+                                   os.path.dirname(os.path.dirname(os.path.abspath(__file__))))})
     try:
-        for line in cli.stdout:
-            if line.startswith("step   1 "):
+        deadline = time.time() + 900
+        while cli.poll() is None and time.time() < deadline:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
                 break
-        # Ray defers a SIGINT that lands inside some of its calls; under heavy load one was seen
-        # lost there. A user presses Ctrl-C again: so does the test, every 30 s.
+            time.sleep(0.5)
+        assert cli.poll() is None, "the run ended before step 1 was recorded: " + \
+            (tmp_path / "cli.err").read_text()[-3000:]
+        # Ray defers a SIGINT that lands inside some of its calls; a user presses Ctrl-C again:
+        # so does the test, every 30 s.
         for _ in range(10):
             cli.send_signal(signal.SIGINT)
             try:
-                _, err = cli.communicate(timeout=30)
+                cli.wait(timeout=30)
                 break
             except subprocess.TimeoutExpired:
                 continue
         else:
-            _, err = cli.communicate(timeout=60)
+            cli.wait(timeout=60)
     finally:
         cli.kill()
+    err = (tmp_path / "cli.err").read_text()
     assert cli.returncode == 130, err[-3000:]
     assert "interrupted in step" in err and "saved metrics.jsonl" in err and "continue it with --resume" in err
     steps_done = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
