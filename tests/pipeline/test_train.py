@@ -147,6 +147,9 @@ def test_sigint_saves_the_run_and_resume_continues_it(model_2k, tmp_path):
     with open(tmp_path / "cli.out", "w") as stdout, open(tmp_path / "cli.err", "w") as stderr:
         cli = subprocess.Popen([sys.executable, "-m", "ngramrl.cli", "train", *sets, "--set", "run.steps=50"],
                                stdout=stdout, stderr=stderr, text=True,
+                               # an earlier test's library may leave SIGINT ignored in this process,
+                               # which a child inherits; a user's shell does not
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.path.dirname(
                                    os.path.dirname(os.path.dirname(os.path.abspath(__file__))))})
     try:
