@@ -135,7 +135,7 @@ def _bench_steps(args: argparse.Namespace) -> int:
 
     run_bench_steps(BenchStepsConfig(traces=args.traces, batches=args.batch, threads=args.threads,
                                      methods=args.method, k=args.k, profile=args.profile, flush_mb=args.flush_mb,
-                                     json_out=args.json))
+                                     draft_always=args.draft_always, json_out=args.json))
     return 0
 
 
@@ -241,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "Qwen3-8B shape on an H100)")
     steps.add_argument("--flush-mb", type=float, default=32.0,
                        help="size of the cache-polluting pass standing in for the forward (MB)")
+    steps.add_argument("--draft-always", action="store_true",
+                       help="every row drafts k tokens at every step (the step-cost model off): what drafting costs "
+                            "at most, the same work for every build compared")
     steps.add_argument("--json", help="write the results as JSON here")
     steps.set_defaults(func=_bench_steps)
 

@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 
 from ngramrl.cli import main
@@ -107,6 +108,29 @@ def test_bench_steps_writes_its_contract_json(tmp_path, capsys):
         assert run["threads"] == (2 if run["method"] == "ngramrl" else 1)
         assert run["step_us_median"] <= run["step_us_p99"] and run["tokens_per_forward"] >= 1.0
     assert "ngramrl" in capsys.readouterr().out
+    assert data["draft_always"] is False
+
+
+def test_bench_steps_can_draft_at_every_step(tmp_path, monkeypatch):
+    """--draft-always: the step-cost model is off, so every row drafts k tokens and keeps them."""
+    from ngramrl.engine import vllm_proposer
+
+    kept = []
+    lengths = vllm_proposer.NgramRLProposer._lengths
+
+    def spy(self, drafts, exploring):
+        chosen, expected, paid = lengths(self, drafts, exploring)
+        kept.append((self.config.engine.adaptive_length, chosen.tolist(), np.diff(drafts.offsets).tolist()))
+        return chosen, expected, paid
+
+    monkeypatch.setattr(vllm_proposer.NgramRLProposer, "_lengths", spy)
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    out = tmp_path / "steps.json"
+    assert main(["bench-steps", trace, "--batch", "3", "--method", "ngramrl", "--draft-always", "--flush-mb", "0",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["draft_always"] is True
+    assert kept and all(not adaptive and chosen == sizes for adaptive, chosen, sizes in kept)
+    assert any(sum(sizes) for _, _, sizes in kept)
 
 
 def test_bench_steps_and_project_check_their_output_before_any_work(tmp_path, capsys):

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from ngramrl.bench.report import print_now
 from ngramrl.bench.steps import build_engine, copies_for, method_available, prepare_workload, summarize_steps
+from ngramrl.config import EngineConfig, NgramRLConfig
 from ngramrl.core.profile import MODEL_SHAPES, StepProfile, check_output, load_profile, roofline_profile
 from ngramrl.core.trace import read_trace
 
@@ -34,6 +35,7 @@ class BenchStepsConfig:
     k: int = 8
     profile: str | None = None    # a step profile's path; None: the H100 roofline of Qwen3-8B
     flush_mb: float = 32.0
+    draft_always: bool = False    # every row drafts k tokens every step: the step-cost model off
     json_out: str | None = None
 
     def __post_init__(self) -> None:
@@ -63,6 +65,7 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
     skipped = {m: why for m in config.methods if (why := method_available(m))}
     for method, why in skipped.items():
         log(f"bench-steps: skipping {method}: {why}")
+    ngramrl_config = NgramRLConfig(engine=EngineConfig(adaptive_length=not config.draft_always))
     runs = []
     for trace in traces:
         last = max(r.epoch for r in trace.rollouts)
@@ -74,7 +77,7 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                 if method in skipped:
                     continue
                 engine = build_engine(method, workload, config.k, profile, config.threads,
-                                      int(config.flush_mb * (1 << 20)))
+                                      int(config.flush_mb * (1 << 20)), config=ngramrl_config)
                 try:
                     records = engine.run_phase(workload.phases[0], batch)
                 finally:
@@ -92,7 +95,7 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
     result = {"ngramrl_bench_steps": BENCH_STEPS_VERSION, "runs": runs,
               "profile": {"source": profile.source, "model": profile.model.get("name"),
                           "device": profile.device.get("name"), "path": config.profile},
-              "k": config.k, "flush_mb": config.flush_mb}
+              "k": config.k, "flush_mb": config.flush_mb, "draft_always": config.draft_always}
     if config.json_out:
         with open(config.json_out, "w") as handle:
             json.dump(result, handle, indent=1)

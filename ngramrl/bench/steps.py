@@ -215,6 +215,10 @@ class SimulatedEngine:
                     request = queue.popleft()
                     runner.add(request.req_id, request.prompt_id, request.prompt, request.epoch)
                     live[request.req_id] = _Live(request)
+            if self._flush is not None and self.proposer is not None:
+                # The forward's memory traffic (what it does to the proposer's data). It runs before
+                # the tokens it samples exist: vLLM hands the proposer lists made after the forward.
+                self._flush.sum()
             rows = list(runner.input_batch.req_ids)
             sampled, lengths = [], []
             decode_rows = tokens = prefill = drafted = committed_tokens = 0
@@ -242,8 +246,6 @@ class SimulatedEngine:
             forward = self.times.forward_seconds(decode_rows, tokens, context / max(1, decode_rows), prefill)
             host = self.times.host.seconds(len(rows))
             self.clock.advance(forward + host if self.synchronous else max(forward, host))
-            if self._flush is not None and self.proposer is not None:
-                self._flush.sum()  # the forward's memory traffic (what it does to the proposer's data)
             critical = offpath = 0
             if background is not None:
                 # The background work has had real time since the proposer's last call returned

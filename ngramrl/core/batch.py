@@ -474,14 +474,20 @@ def choose_lengths(calibration: AcceptanceCalibration, probs: Any, offsets: Any,
     return np.array(chosen, dtype=np.int32), float(expected), paid, probed
 
 
-def step_cost(fit: Sequence[float]) -> FixedStepCost:
-    """The step-cost model a ``StepCostModel.fit`` tuple describes."""
+def checked_fit(fit: Sequence[float]) -> tuple[float, float, float, float, int]:
+    """A ``StepCostModel.fit`` tuple, checked: (base, per request, per token, per verify, knee)."""
     if len(fit) != 5:
         raise ValueError(f"a step-cost fit is (base, per request, per token, per verify, knee), got {tuple(fit)}")
     base, per_request, per_token, per_verify, knee = fit
     if knee < 0 or knee != int(knee):
         raise ValueError(f"the step-cost fit's knee must be a whole number of tokens >= 0, got {knee}")
-    return FixedStepCost(float(base), float(per_request), float(per_token), float(per_verify), int(knee))
+    return float(base), float(per_request), float(per_token), float(per_verify), int(knee)
+
+
+def step_cost(fit: Sequence[float]) -> FixedStepCost:
+    """The step-cost model a ``StepCostModel.fit`` tuple describes."""
+    *coefficients, knee = checked_fit(fit)
+    return FixedStepCost(*coefficients, knee)
 
 
 def _ints(values: Any) -> list[int]:

@@ -54,35 +54,55 @@ def excess_tokens(requests: int, draft_tokens: float, knee: int) -> float:
 
 
 class StepCostModel:
-    def __init__(self, decay: float = 0.98, ridge: float = 1e-9) -> None:
+    """The fit; ``refit_every``: steps observed between two solves (the fit moves slowly, with a
+    memory of about 1 / (1 - decay) steps, and solving it for every knee each step is the larger
+    part of what the model costs per step). Observations are folded into the sums when it is solved."""
+
+    def __init__(self, decay: float = 0.98, ridge: float = 1e-9, refit_every: int = 1) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if refit_every < 1:
+            raise ValueError(f"refit_every must be >= 1, got {refit_every}")
         self.decay = decay
         self.ridge = ridge
+        self.refit_every = refit_every
         self._knees = np.array(KNEES, dtype=float)
         self._xtx = np.zeros((len(KNEES), FEATURES, FEATURES))
         self._xty = np.zeros((len(KNEES), FEATURES))
         self._yty = 0.0
+        self._unfolded: list[tuple[float, float, float]] = []  # (requests, draft tokens, seconds), oldest first
         self._solved: tuple[tuple[float, float, float, float], int] | None = None
         self.steps = 0
 
     def observe(self, requests: int, draft_tokens: int, seconds: float) -> None:
-        x = np.empty((len(KNEES), FEATURES))
-        x[:, 0] = 1.0
-        x[:, 1] = float(requests)
-        x[:, 2] = (np.maximum(0.0, requests + draft_tokens - self._knees)
-                   - np.maximum(0.0, requests - self._knees))
-        x[:, 3] = float(draft_tokens > 0)
-        self._xtx = self.decay * self._xtx + x[:, :, None] * x[:, None, :]
-        self._xty = self.decay * self._xty + x * seconds
-        self._yty = self.decay * self._yty + seconds * seconds
-        self._solved = None
+        self._unfolded.append((float(requests), float(draft_tokens), float(seconds)))
         self.steps += 1
+        if len(self._unfolded) >= self.refit_every:
+            self._solved = None
+
+    def _fold(self) -> None:
+        """Add the observations not yet in the sums, each weighted by the decay since it was made."""
+        if not self._unfolded:
+            return
+        observed = np.array(self._unfolded)
+        self._unfolded.clear()
+        requests, drafts, seconds = observed[:, 0:1], observed[:, 1:2], observed[:, 2]
+        x = np.empty((len(observed), len(KNEES), FEATURES))
+        x[:, :, 0] = 1.0
+        x[:, :, 1] = requests
+        x[:, :, 2] = np.maximum(0.0, requests + drafts - self._knees) - np.maximum(0.0, requests - self._knees)
+        x[:, :, 3] = drafts > 0
+        weights = self.decay ** np.arange(len(observed) - 1, -1, -1, dtype=float)
+        aged = self.decay ** len(observed)
+        self._xtx = aged * self._xtx + np.einsum("m,mkf,mkg->kfg", weights, x, x)
+        self._xty = aged * self._xty + np.einsum("m,mkf,m->kf", weights, x, seconds)
+        self._yty = aged * self._yty + float(np.sum(weights * seconds * seconds))
 
     def _solve(self) -> tuple[tuple[float, float, float, float], int]:
         """Least squares for every candidate knee; the knee whose fit leaves clearly less error than
         no plateau (``PLATEAU_GAIN``), else none."""
         if self._solved is None:
+            self._fold()
             scale = np.maximum(1.0, np.trace(self._xtx, axis1=1, axis2=2))[:, None, None]
             regularized = self._xtx + self.ridge * scale * np.eye(FEATURES)
             solution = np.linalg.solve(regularized, self._xty[:, :, None])[:, :, 0]
@@ -121,6 +141,7 @@ class StepCostModel:
 
     def state(self) -> dict[str, Any]:
         """The fit as plain data (to carry it to a new engine; ``load_state`` takes it back)."""
+        self._fold()
         return {"knees": list(KNEES), "xtx": self._xtx.tolist(), "xty": self._xty.tolist(), "yty": self._yty,
                 "steps": self.steps}
 
@@ -131,6 +152,7 @@ class StepCostModel:
         self._xty = np.array(state["xty"], dtype=float).reshape(len(KNEES), FEATURES)
         self._yty = float(state["yty"])
         self.steps = int(state["steps"])
+        self._unfolded.clear()
         self._solved = None
 
     def drafting_can_pay(self, requests: int, min_gain: float = 0.0) -> bool:

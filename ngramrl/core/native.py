@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
-from ngramrl.core.batch import SOURCES, DraftBatch, OutcomeBatch, as_rows, step_cost
+from ngramrl.core.batch import SOURCES, DraftBatch, OutcomeBatch, as_rows, checked_fit
 from ngramrl.core.drafter import Draft
 
 
@@ -152,9 +152,8 @@ class NativeCore:
     def lengths(self, probs: Any, offsets: Any, scale: float, fit: Sequence[float], min_gain: float,
                 adaptive: bool = True, probe_tokens: int = 0) -> tuple[np.ndarray, float, bool, bool]:
         """``ngramrl.core.batch.choose_lengths`` on this core's calibration, in C++."""
-        model = step_cost(fit)  # checked here, read in C++
         return self._core.lengths(np.asarray(probs, dtype=np.float64), np.asarray(offsets, dtype=np.int64),
-                                  float(scale), [*(float(c) for c in model.coefficients), float(model.knee)],
+                                  float(scale), [float(v) for v in checked_fit(fit)],
                                   float(min_gain), bool(adaptive), int(probe_tokens))
 
     def calibration_state(self) -> list[list[float]]:

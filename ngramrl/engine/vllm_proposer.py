@@ -14,6 +14,7 @@ reaches the engine process; ``RolloutEngine`` sets it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -28,11 +29,14 @@ import numpy as np
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.batch import DraftBatch, choose_lengths, make_core
 from ngramrl.core.cost import StepCostModel, drafting_pays
-from ngramrl.core.drafter import EMPTY, Draft
 from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower
 
 CONFIG_ENV = "NGRAMRL_CONFIG"
 PROBE_TOKENS = (1, 4)  # draft tokens verified by the probes while drafting is off, in turn
+# Steps between two solves of the step-cost fit: it remembers about 1 / (1 - cost_decay) steps (50
+# at the default), so a few steps' delay changes little, and solving it for every knee is most of
+# what it costs per step.
+COST_REFIT_EVERY = 4
 OWN_TIME_DECAY = 0.9  # the weight of the earlier steps in the proposer's own time and its lookups' yield
 
 
@@ -56,14 +60,23 @@ def config_from_env(value: str | None) -> NgramRLConfig:
 
 
 @dataclass
-class Row:
-    """One batch row this step: its request, the tokens just committed, and room for a draft."""
+class StepRows:
+    """This step's rows with a prompt id and committed tokens, as arrays: row i is the batch's row
+    ``index[i]``, request ``req_ids[i]`` with drafting state ``requests[i]``; it committed
+    ``tokens[offsets[i]:offsets[i + 1]]`` and has room for a draft of ``ks[i]`` tokens (0: no lookup)."""
 
-    row: int
-    req_id: str
-    request: Any
-    sampled: list[int]
-    k: int
+    index: np.ndarray    # int64
+    req_ids: list[str]
+    requests: list[Any]
+    tokens: np.ndarray   # int32
+    offsets: np.ndarray  # int64, rows + 1
+    ks: np.ndarray       # int32
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def sampled(self, i: int) -> list[int]:
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]].tolist()
 
 
 @dataclass
@@ -134,14 +147,17 @@ def _vocab_size(vllm_config: Any) -> int | None:
         return None
 
 
-def valid_prefix(tokens: list[int], vocab_size: int | None) -> int:
-    """How many leading tokens are token ids of the target's vocabulary: a draft goes to vLLM only
-    as far as its tokens are valid (its kernels index the vocabulary with them; -1 is its padding)."""
+def valid_lengths(drafts: DraftBatch, vocab_size: int | None) -> np.ndarray:
+    """How many leading tokens of each draft are token ids of the target's vocabulary: a draft goes
+    to vLLM only as far as its tokens are valid (its kernels index the vocabulary with them; -1 is
+    its padding)."""
     upper = vocab_size if vocab_size is not None else 1 << 62
-    for i, token in enumerate(tokens):
-        if not (isinstance(token, int) and 0 <= token < upper):
-            return i
-    return len(tokens)
+    bad = np.flatnonzero((drafts.tokens < 0) | (drafts.tokens >= upper))
+    valid = np.diff(drafts.offsets)
+    if len(bad):
+        row = np.searchsorted(drafts.offsets, bad, side="right") - 1
+        np.minimum.at(valid, row, bad - drafts.offsets[row])
+    return valid
 
 
 def _eos_ids(vllm_config: Any) -> tuple[int, ...]:
@@ -177,14 +193,19 @@ class NgramRLProposer:
         self.calibration = AcceptanceCalibration(prefetch.prior_strength, prefetch.calibration_decay)
         self.follower = DraftFollower(self.calibration)  # learns from cut drafts too
         self._delivered = [0.0, 0.0]  # accepted vs expected verified draft tokens, recent steps weigh more
-        self.cost = StepCostModel(self.config.engine.cost_decay)
+        self.cost = StepCostModel(self.config.engine.cost_decay, refit_every=COST_REFIT_EVERY)
         # The proposer's own time per row in steps without lookups and with them, and the lookup
         # steps' draft tokens and the accepted tokens those are expected to bring, per row (recent
         # steps weigh more): its time is on a synchronous engine's critical path, so lookups must
         # pay for it too (``_lookups_pay``).
         self._own_per_row: list[float | None] = [None, None]
         self._lookup_per_row: tuple[float, float] | None = None
-        self._pending: dict[str, Draft] = {}   # drafts sent for verification in the last step
+        # The last batch's request ids with the length of the draft each row was sent; and a batch's
+        # drafting states (core handles, or the pool's requests) with whether each row has one: a
+        # steady decode batch is the same from step to step, and touching each row's objects after
+        # a forward has flushed the caches is what per-row code costs.
+        self._sent: tuple[tuple[str, ...], np.ndarray] = ((), np.zeros(0, dtype=np.int64))
+        self._batch_states: tuple[tuple[str, ...], Any, np.ndarray] | None = None
         self._verified_tokens = 0               # draft tokens the last step's forward verified
         self._step_started: float | None = None
         self._last_batch: tuple[str, ...] = ()
@@ -205,7 +226,6 @@ class NgramRLProposer:
         self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch,
                                                              *_forward_resources(vllm_config))
         self._looked_up = False
-        self._step_batch: DraftBatch | None = None  # the core's drafts of the current step
         self.core: Any = None  # the drafting core, where drafts are made in this process
         self._setup_drafting()
 
@@ -234,49 +254,37 @@ class NgramRLProposer:
         if self.prefetching:
             self.core.collect(cancel=True)
 
-    def _draft(self, rows: list[Row]) -> list[Draft]:
-        """Commit each row's sampled tokens and make its next draft (at most ``row.k`` tokens), all
+    def _draft(self, rows: StepRows) -> DraftBatch:
+        """Commit each row's sampled tokens and make its next draft (at most ``ks[i]`` tokens), all
         rows in one call of the core. A row without room (k = 0: drafting does not pay at this
         batch size) only keeps its tokens: the next step that drafts indexes the backlog in one go,
         when the automaton is in the caches, not flushed by a forward (at 32 requests in flight this
         took a quarter off the proposer's mean time per step; docs/vllm.md)."""
-        if not rows:
-            self._step_batch = DraftBatch.from_drafts([])
-            self._looked_up = False
-            return []
-        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum([len(row.sampled) for row in rows], out=offsets[1:])
-        batch = self.core.step([row.request for row in rows], [t for row in rows for t in row.sampled], offsets,
-                               [row.k for row in rows])
-        self.stats.prefetch_hits += int(batch.prefetched.sum())
-        self._looked_up = any(row.k > 0 for row in rows)
-        self._step_batch = batch
-        return batch.drafts()
+        return self.core.step(rows.requests, rows.tokens, rows.offsets, rows.ks)
 
-    def _end_step(self, rows: list[Row], drafts: list[Draft]) -> None:
-        """Drafts go to verification. After a step with lookups its committed tokens enter the
-        index: in the background during the forward, with the next drafts of the likeliest
-        outcomes prefetched after them, where the forward leaves a core idle; otherwise at once
-        (a background thread on the forward's cores would slow it). A step without lookups leaves
-        them for the next one that looks up (a worker woken for the inserts alone measured 1.3%
-        slower than synchronous drafting at 32 requests in flight; docs/vllm.md)."""
-        if not rows or not self._looked_up:
+    def _end_step(self, rows: StepRows, sent: DraftBatch) -> None:
+        """``sent``: the drafts going to verification, one per row. After a step with lookups its
+        committed tokens enter the index: in the background during the forward, with the next
+        drafts of the likeliest outcomes prefetched after them, where the forward leaves a core
+        idle; otherwise at once (a background thread on the forward's cores would slow it). A step
+        without lookups leaves them for the next one that looks up (a worker woken for the inserts
+        alone measured 1.3% slower than synchronous drafting at 32 requests in flight; docs/vllm.md)."""
+        if not len(rows) or not self._looked_up:
             return
-        handles = [row.request for row in rows]
+        handles = rows.requests
         if not self.prefetching:
             self.core.absorb(handles, now=True)
             return
         if not self._prefetches_next(len(rows)):
             self.core.absorb(handles)
             return
-        drafting = np.array([row.k > 0 for row in rows])
-        kept = self._step_batch.truncated([len(draft.tokens) for draft in drafts])
-        sizes = np.diff(kept.offsets)[drafting]
-        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        mask = np.repeat(drafting, np.diff(kept.offsets))
-        self.core.prefetch(np.asarray(handles)[drafting], kept.tokens[mask], offsets, kept.probs[mask], self.k,
-                           absorb=handles)
+        drafting = rows.ks > 0
+        lengths = np.diff(sent.offsets)
+        offsets = np.zeros(int(drafting.sum()) + 1, dtype=np.int64)
+        np.cumsum(lengths[drafting], out=offsets[1:])
+        mask = np.repeat(drafting, lengths)
+        self.core.prefetch(np.asarray(handles, dtype=np.int64)[drafting], sent.tokens[mask], offsets,
+                           sent.probs[mask], self.k, absorb=handles)
 
     def _prefetches_next(self, rows: int) -> bool:
         """Whether next drafts are worth prefetching now: the next step will look them up."""
@@ -338,25 +346,17 @@ class NgramRLProposer:
         self._last_batch = batch
         self._begin_step()
         self._retire(runner.requests)
-        rows: list[Row] = []
-        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        for row, sampled in enumerate(sampled_token_ids):
-            req_id = req_ids[row]
-            if req_id not in self.requests:
-                self._admit(req_id, runner.requests.get(req_id), sampled)
-            request = self.requests.get(req_id)
-            if request is None or not sampled:
-                continue
-            self.stats.row_steps += 1
-            self.stats.committed_tokens += len(sampled)
-            previous = self._pending.pop(req_id, None)
-            if self.follower is not None:
-                self.follower.committed(req_id, sampled)
-            if previous is not None and previous.tokens:
-                self.stats.accepted_tokens += len(sampled) - 1
-                self._delivered[0] += len(sampled) - 1
-            room = self.max_model_len - int(num_tokens_no_spec[row]) - 1
-            rows.append(Row(row, req_id, request, list(sampled), min(self.k, room)))
+        rows = self._rows(batch, sampled_token_ids, num_tokens_no_spec)
+        if self.follower is not None:
+            for i, req_id in enumerate(rows.req_ids):
+                self.follower.committed(req_id, rows.sampled(i))
+        committed = np.diff(rows.offsets)
+        self.stats.row_steps += len(rows)
+        self.stats.committed_tokens += int(committed.sum())
+        verified = self._sent_before(batch)[rows.index]
+        accepted = int((committed[verified > 0] - 1).sum())  # the token after the accepted ones is the target's
+        self.stats.accepted_tokens += accepted
+        self._delivered[0] += accepted
         if len(rows) <= self._quiet_rows // 2:  # a much smaller batch makes verifying cheaper: look again
             # (not at every finished request: a batch drains one by one at the end of a generate call)
             self._remember_probe_interval()
@@ -366,38 +366,41 @@ class NgramRLProposer:
         exploring = self._exploring(self.stats.steps)
         looked = self._looks_up(self.stats.steps, len(rows))
         if not looked:
-            for row in rows:  # no draft could pay for its verification now: skip the lookups
-                row.k = 0
-        made = self._draft(rows)
+            rows.ks[:] = 0  # no draft could pay for its verification now: skip the lookups
+        self._looked_up = bool(len(rows)) and bool(np.any(rows.ks > 0))
+        made = self._draft(rows) if len(rows) else DraftBatch.from_drafts([])
+        self.stats.prefetch_hits += int(made.prefetched.sum())
         lengths, expected, paid = self._lengths(made, exploring)
         if looked and self.config.engine.adaptive_length:
-            pays = paid and self._lookups_pay(len(rows), sum(lengths), expected * self._delivery())
+            pays = paid and self._lookups_pay(len(rows), int(lengths.sum()), expected * self._delivery())
             self._back_off(pays, len(rows), exploring)
         self.stats.expected_accepted += expected
         decay = self.config.prefetch.calibration_decay  # recent steps count: acceptance drifts
         self._delivered = [decay * self._delivered[0], decay * self._delivered[1] + expected]
-        self._pending.clear()
-        for row, draft, length in zip(rows, made, lengths, strict=True):
-            if not draft.tokens:
-                continue
-            if self.follower is not None:
-                self.follower.offer(row.req_id, draft)
-            kept = draft if length >= len(draft.tokens) else draft.truncated(length)
-            self.stats.cut_tokens += len(draft.tokens) - length
-            valid = valid_prefix(kept.tokens, self.vocab_size)
-            if valid < len(kept.tokens):
-                self.stats.invalid_tokens += len(kept.tokens) - valid
-                kept = kept.truncated(valid)
-            if kept.tokens:
-                self._pending[row.req_id] = kept
-                drafts[row.row] = kept.tokens
-                self.stats.drafts += 1
-                self.stats.drafted_tokens += len(kept.tokens)
-        self._verified_tokens = sum(len(d) for d in drafts)  # draft tokens the next forward verifies
-        self._end_step(rows, [self._pending.get(row.req_id, EMPTY) for row in rows])
+        sizes = np.diff(made.offsets)
+        if self.follower is not None:
+            for i in np.flatnonzero(sizes).tolist():
+                self.follower.offer(rows.req_ids[i], made.draft(i))
+        kept = np.minimum(lengths, sizes)
+        valid = np.minimum(kept, valid_lengths(made, self.vocab_size))
+        self.stats.cut_tokens += int((sizes - kept).sum())
+        self.stats.invalid_tokens += int((kept - valid).sum())
+        sent = made.truncated(valid)
+        drafting = np.flatnonzero(valid)
+        sent_lengths = np.zeros(len(batch), dtype=np.int64)
+        sent_lengths[rows.index] = valid
+        self._sent = (batch, sent_lengths)
+        self.stats.drafts += len(drafting)
+        self.stats.drafted_tokens += int(valid.sum())
+        self._verified_tokens = int(valid.sum())  # draft tokens the next forward verifies
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        tokens, offsets = sent.tokens.tolist(), sent.offsets.tolist()
+        for i in drafting.tolist():
+            drafts[int(rows.index[i])] = tokens[offsets[i]:offsets[i + 1]]
+        self._end_step(rows, sent)
         self.stats.steps += 1
         end = self.clock()
-        if rows:
+        if len(rows):
             previous = self._own_per_row[int(looked)]
             per_row = (end - begin) / 1e9 / len(rows)
             self._own_per_row[int(looked)] = (per_row if previous is None
@@ -406,6 +409,50 @@ class NgramRLProposer:
         self.stats.recent_draft_ns.append(end - begin)
         self._step_started = end / 1e9
         return drafts
+
+    def _rows(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]], num_tokens_no_spec: Any) -> StepRows:
+        """The step's rows that commit tokens for a request with a prompt id, as arrays: one
+        conversion per step, not one object per row."""
+        states, known = self._states(batch, sampled_token_ids)
+        sizes = np.fromiter(map(len, sampled_token_ids), np.int64, len(batch))
+        index = np.flatnonzero(known & (sizes > 0))
+        every = len(index) == len(batch)
+        offsets = np.zeros(len(index) + 1, dtype=np.int64)
+        np.cumsum(sizes[index], out=offsets[1:])
+        chosen = sampled_token_ids if every else [sampled_token_ids[i] for i in index.tolist()]
+        tokens = np.fromiter(itertools.chain.from_iterable(chosen), np.int32, int(offsets[-1]))
+        room = self.max_model_len - np.asarray(num_tokens_no_spec[:len(batch)], dtype=np.int64)[index] - 1
+        if every:
+            req_ids, requests = list(batch), states
+        else:
+            req_ids = [batch[i] for i in index.tolist()]
+            requests = states[index] if isinstance(states, np.ndarray) else [states[i] for i in index.tolist()]
+        return StepRows(index, req_ids, requests, tokens, offsets, np.minimum(self.k, room).astype(np.int32))
+
+    def _states(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray]:
+        """Each row's drafting state (the core's handles as an array; the pool's requests) and
+        whether it has one (a request with a prompt id). New requests are admitted here."""
+        if self._batch_states is not None and self._batch_states[0] == batch:
+            return self._batch_states[1:]
+        new = set(batch).difference(self.requests)
+        if new:
+            for row, req_id in enumerate(batch):
+                if req_id in new:
+                    self._admit(req_id, self.runner.requests.get(req_id), sampled_token_ids[row])
+        states = [self.requests[req_id] for req_id in batch]
+        known = np.fromiter((state is not None for state in states), bool, len(batch))
+        if self.core is not None:  # core handles are ints: one array, passed to every step as it is
+            states = np.array([-1 if state is None else state for state in states], dtype=np.int64)
+        self._batch_states = (batch, states, known)
+        return states, known
+
+    def _sent_before(self, batch: tuple[str, ...]) -> np.ndarray:
+        """The length of the draft each row of ``batch`` was sent for verification last step (0: none)."""
+        last, lengths = self._sent
+        if last == batch:
+            return lengths
+        position = dict(zip(last, lengths.tolist(), strict=True))
+        return np.fromiter((position.get(req_id, 0) for req_id in batch), np.int64, len(batch))
 
     def _exploring(self, step: int) -> bool:
         return self.config.engine.adaptive_length and step >= self._next_probe
@@ -418,7 +465,7 @@ class NgramRLProposer:
             return True
         return step >= self._quiet_until and self.cost.drafting_can_pay(rows, engine.min_gain)
 
-    def _lengths(self, drafts: list[Draft], exploring: bool) -> tuple[list[int], float, bool]:
+    def _lengths(self, drafts: DraftBatch, exploring: bool) -> tuple[np.ndarray, float, bool]:
         """How much of each draft to verify: all of it, or what the step-cost model says pays off.
         While drafting is off, probe steps (every ``explore_every``-th step, then less often) verify
         the batch's few likeliest tokens (1 or 4 in turn), so the fit keeps seeing what verifying
@@ -426,19 +473,18 @@ class NgramRLProposer:
         accepted tokens the calibrated model expects of what is kept, and whether the cost model
         (not a probe) kept any token."""
         engine = self.config.engine
-        flat = self._step_batch if self.core is not None else DraftBatch.from_drafts(drafts)
         delivered = self._delivery()
         probe = PROBE_TOKENS[self._probes % 2] if exploring else 0
         if self.core is not None:  # one call, in the native core where it is built
-            chosen, expected, paid, probed = self.core.lengths(flat.probs, flat.offsets, delivered,
+            chosen, expected, paid, probed = self.core.lengths(drafts.probs, drafts.offsets, delivered,
                                                                self.cost.fit, engine.min_gain,
                                                                engine.adaptive_length, probe)
         else:
-            chosen, expected, paid, probed = choose_lengths(self.calibration, flat.probs, flat.offsets, delivered,
+            chosen, expected, paid, probed = choose_lengths(self.calibration, drafts.probs, drafts.offsets, delivered,
                                                             self.cost.fit, engine.min_gain,
                                                             engine.adaptive_length, probe)
         self._probes += probed
-        return chosen.tolist(), expected, paid
+        return np.asarray(chosen, dtype=np.int64), expected, paid
 
     def _delivery(self) -> float:
         """What verified drafts delivered against what their chances expected (at most 1): the
@@ -520,12 +566,15 @@ class NgramRLProposer:
         self.epochs[req_id] = int(extra.get("epoch", 0))
 
     def _retire(self, live: dict[str, Any]) -> None:
-        """Requests that left the runner are finished: their outputs become rollouts of their epoch."""
-        retired = [rid for rid in self.requests if rid not in live]
-        for req_id in retired:
+        """Requests that left the runner are finished, in the order they came: their outputs become
+        rollouts of their epoch."""
+        gone = self.requests.keys() - live.keys()
+        if not gone:
+            return
+        self._batch_states = None
+        for req_id in [req_id for req_id in self.requests if req_id in gone]:
             request = self.requests.pop(req_id)
             epoch = self.epochs.pop(req_id, 0)
-            self._pending.pop(req_id, None)
             if self.follower is not None:
                 self.follower.drop(req_id)
             if request is not None:

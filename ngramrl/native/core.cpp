@@ -18,6 +18,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -365,15 +366,21 @@ public:
         return requests_.back()->handle;
     }
 
+    // The request's handle is released at once; its tokens enter the history in the background,
+    // queued behind any background work (which may still read the request), before the next call
+    // that reads the history: the work of the requests that end at a step overlaps what the caller
+    // does before that step.
     void finish(int64_t handle, bool has_epoch, int64_t epoch, bool linger) {
-        join();
-        Request& r = get(handle);
-        if (r.known) {
-            absorb_one(r);
-            history_.end_live(r.prompt_id, r.handle, has_epoch, epoch, linger);
-            r.known = false;
-        }
-        requests_[handle].reset();
+        get(handle);
+        std::shared_ptr<Request> request(std::move(requests_[handle]));
+        background_.submit([this, request, has_epoch, epoch, linger] {
+            Request& r = *request;
+            if (r.known) {
+                absorb_one(r);
+                history_.end_live(r.prompt_id, r.handle, has_epoch, epoch, linger);
+                r.known = false;
+            }
+        });
     }
 
     bool known(int64_t handle) {

@@ -20,8 +20,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from ngramrl.core.batch import DraftBatch
 from ngramrl.core.drafter import EMPTY, Draft
-from ngramrl.engine.vllm_proposer import NgramRLProposer, Row
+from ngramrl.engine.vllm_proposer import NgramRLProposer, StepRows
 from ngramrl.pipeline.pool import PoolSettings, StepItem, StepReply, shard_of
 
 POOL_ENV = "NGRAMRL_POOL"
@@ -158,23 +161,25 @@ class PoolProposer(NgramRLProposer):
         self.step_refs, self.prefetch_refs = [], []
         return True
 
-    def _draft(self, rows: list[Row]) -> list[Draft]:
+    def _draft(self, rows: StepRows) -> DraftBatch:
         drafts: list[Draft] = [EMPTY] * len(rows)
+        prefetched = [False] * len(rows)
         items: dict[int, list[StepItem]] = {}
         waiting: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            request: PoolRequest = row.request
-            committed = row.sampled
+        for i, request in enumerate(rows.requests):
+            request: PoolRequest
+            committed = rows.sampled(i)
+            k = int(rows.ks[i])
             ready = None
-            if row.k > 0:
+            if k > 0:
                 ready = self.candidates.pop(request.req_id, {}).get((len(committed) - 1, committed[-1]))
             handle = self._handle(request.shard)
             if handle is None:
                 request.synced_with = None
                 request.output.extend(committed)
-                self.client.down_rows += row.k > 0 and ready is None
+                self.client.down_rows += k > 0 and ready is None
                 continue
-            item = StepItem(request.req_id, request.prompt_id, committed, row.k, verified=request.verified,
+            item = StepItem(request.req_id, request.prompt_id, committed, k, verified=request.verified,
                             hit=ready is not None)
             if request.synced_with != self.actor_ids[request.shard]:
                 item.prompt, item.before = request.prompt, list(request.output)
@@ -182,9 +187,9 @@ class PoolProposer(NgramRLProposer):
             request.output.extend(committed)
             items.setdefault(request.shard, []).append(item)
             if ready is not None:
-                drafts[i] = self._usable(ready, row.k)
-                self.stats.prefetch_hits += 1
-            elif row.k > 0:
+                drafts[i] = self._usable(ready, k)
+                prefetched[i] = True
+            elif k > 0:
                 waiting.setdefault(request.shard, []).append(i)
         refs: dict[int, Any] = {}
         for shard, shard_items in items.items():
@@ -195,7 +200,7 @@ class PoolProposer(NgramRLProposer):
         if waiting:
             self._wait_for_drafts(rows, drafts, refs, waiting)
         self.step_refs = [(shard, ref) for shard, ref in refs.items() if shard not in waiting]
-        return drafts
+        return DraftBatch.from_drafts(drafts, prefetched)
 
     def _usable(self, draft: Draft, k: int) -> Draft:
         """At most ``k`` tokens, and nothing after this engine's end-of-sequence tokens: the shards
@@ -204,7 +209,7 @@ class PoolProposer(NgramRLProposer):
         end = next((i + 1 for i, token in enumerate(draft.tokens[:k]) if token in stops), k)
         return draft.truncated(end)
 
-    def _wait_for_drafts(self, rows: list[Row], drafts: list[Draft], refs: dict[int, Any],
+    def _wait_for_drafts(self, rows: StepRows, drafts: list[Draft], refs: dict[int, Any],
                          waiting: dict[int, list[int]]) -> None:
         begin = time.perf_counter()
         pending = [refs[shard] for shard in waiting]
@@ -221,21 +226,21 @@ class PoolProposer(NgramRLProposer):
                 continue
             by_id = {reply.request_id: reply for reply in replies}
             for i in indices:
-                request: PoolRequest = rows[i].request
+                request: PoolRequest = rows.requests[i]
                 reply = by_id.get(request.req_id)
                 if reply is None:
                     continue
                 if not reply.known:
                     request.synced_with = None  # the shard was replaced: send the whole request next step
                     continue
-                drafts[i] = self._usable(Draft(reply.tokens, reply.probs, source="prompt"), rows[i].k)
+                drafts[i] = self._usable(Draft(reply.tokens, reply.probs, source="prompt"), int(rows.ks[i]))
 
-    def _end_step(self, rows: list[Row], drafts: list[Draft]) -> None:
+    def _end_step(self, rows: StepRows, sent: DraftBatch) -> None:
         by_shard: dict[int, list[str]] = {}
-        for row, draft in zip(rows, drafts, strict=True):
-            request: PoolRequest = row.request
-            request.verified = len(draft.tokens)
-            if draft.tokens and self.handles[request.shard] is not None:
+        for request, length in zip(rows.requests, np.diff(sent.offsets).tolist(), strict=True):
+            request: PoolRequest
+            request.verified = length
+            if length and self.handles[request.shard] is not None:
                 by_shard.setdefault(request.shard, []).append(request.req_id)
         if not (self.prefetching and self._prefetches_next(len(rows))):
             return

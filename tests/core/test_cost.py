@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from ngramrl.core.cost import (
@@ -186,3 +187,24 @@ def test_nearly_free_verification_keeps_even_a_weak_draft():
     # a CPU at 32 requests: one likely token (0.6) is not worth 2% more step time with the margins
     cpu = FixedStepCost(0.026, 0.00236, 0.00186, 0.00006)
     assert choose_draft_lengths([[0.6]] + [[]] * 31, cpu, min_gain=0.1) == [0] * 32
+
+
+def test_a_fit_solved_every_few_steps_folds_every_step_in_with_its_decay():
+    points = [(r, d, 0.01 + 0.001 * r + 0.0004 * d * (1 + r % 3)) for r in (1, 4, 9) for d in (0, 3, 8, 20)]
+    every = StepCostModel(decay=0.9)
+    sparse = StepCostModel(decay=0.9, refit_every=4)
+    for point in points[:8]:
+        every.observe(*point)
+        sparse.observe(*point)
+    held = sparse.coefficients
+    for point in points[8:11]:  # three steps: the fit is not solved again yet
+        every.observe(*point)
+        sparse.observe(*point)
+        assert sparse.coefficients == held
+    every.observe(*points[11])
+    sparse.observe(*points[11])
+    assert sparse.coefficients != held
+    assert sparse.coefficients == pytest.approx(every.coefficients, rel=1e-9, abs=1e-12)
+    assert np.allclose(sparse.state()["xtx"], every.state()["xtx"], rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="refit_every"):
+        StepCostModel(refit_every=0)

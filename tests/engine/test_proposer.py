@@ -333,3 +333,27 @@ def test_prefetch_setting_is_checked():
     with pytest.raises(ValueError, match="EngineConfig.prefetch"):
         EngineConfig(prefetch="sometimes")
 
+
+
+def test_drafts_go_to_their_batch_rows_and_only_as_far_as_their_tokens_are_valid(monkeypatch):
+    """Rows without a prompt id, or without a committed token this step (a chunked prefill), get no
+    draft and leave the others' drafts at their own batch positions; a draft token outside the
+    target's vocabulary (a corrupt history) ends the draft before it."""
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0))
+    proposer.vocab_size = 1000
+    proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 102, 103] * 8, epoch=0)
+    proposer.core.add_rollout("q", [1, 2, 3], [200, 201, 5000, 203] * 8, epoch=0)
+    runner.add("plain", None, [1, 2, 3])
+    runner.add("p0", "p", [1, 2, 3])
+    runner.add("idle", "p", [1, 2, 3])
+    runner.add("q0", "q", [1, 2, 3])
+    lengths = [13] * 4
+    drafts = proposer.propose([[7], [100], [], [200]], lengths, None)
+    assert drafts[0] == [] and drafts[2] == []
+    assert drafts[1] == [101, 102, 103, 100]
+    assert drafts[3] == [201]  # 5000 is not a token of the vocabulary
+    assert proposer.stats.invalid_tokens == 3
+    assert proposer.stats.row_steps == 2 and proposer.stats.committed_tokens == 2
+    drafts = proposer.propose([[8], [101, 102, 103], [100], [201, 202]], lengths, None)
+    assert proposer.stats.accepted_tokens == 2 + 1  # p0 accepted 2 of its 4, q0 1 of its 1
+    assert drafts[1] == [100, 101, 102, 103]
