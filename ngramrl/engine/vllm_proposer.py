@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
-from ngramrl.core.batch import DraftBatch, choose_lengths, make_core
+from ngramrl.core.batch import DraftBatch
 from ngramrl.core.cost import StepCostModel, drafting_pays
-from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower
+from ngramrl.engine.sources import CoreSource, DraftSource, StepRows
 
 CONFIG_ENV = "NGRAMRL_CONFIG"
 PROBE_TOKENS = (1, 4)  # draft tokens verified by the probes while drafting is off, in turn
@@ -57,26 +57,6 @@ def config_from_env(value: str | None) -> NgramRLConfig:
                              PrefetchConfig(**raw.get("prefetch", {})), EngineConfig(**raw.get("engine", {})))
     except (ValueError, TypeError) as err:
         raise ValueError(f"{CONFIG_ENV} is not a valid ngramrl configuration: {err}") from None
-
-
-@dataclass
-class StepRows:
-    """This step's rows with a prompt id and committed tokens, as arrays: row i is the batch's row
-    ``index[i]``, request ``req_ids[i]`` with drafting state ``requests[i]``; it committed
-    ``tokens[offsets[i]:offsets[i + 1]]`` and has room for a draft of ``ks[i]`` tokens (0: no lookup)."""
-
-    index: np.ndarray    # int64
-    req_ids: list[str]
-    requests: list[Any]
-    tokens: np.ndarray   # int32
-    offsets: np.ndarray  # int64, rows + 1
-    ks: np.ndarray       # int32
-
-    def __len__(self) -> int:
-        return len(self.req_ids)
-
-    def sampled(self, i: int) -> list[int]:
-        return self.tokens[self.offsets[i]:self.offsets[i + 1]].tolist()
 
 
 @dataclass
@@ -189,9 +169,6 @@ class NgramRLProposer:
         self.requests: dict[str, Any] = {}  # the drafting state of each request; None: no prompt id
         self.epochs: dict[str, int] = {}
         self.stats = ProposerStats()
-        prefetch = self.config.prefetch
-        self.calibration = AcceptanceCalibration(prefetch.prior_strength, prefetch.calibration_decay)
-        self.follower = DraftFollower(self.calibration)  # learns from cut drafts too
         self._delivered = [0.0, 0.0]  # accepted vs expected verified draft tokens, recent steps weigh more
         self.cost = StepCostModel(self.config.engine.cost_decay, refit_every=COST_REFIT_EVERY)
         # The proposer's own time per row in steps without lookups and with them, and the lookup
@@ -201,7 +178,7 @@ class NgramRLProposer:
         self._own_per_row: list[float | None] = [None, None]
         self._lookup_per_row: tuple[float, float] | None = None
         # The last batch's request ids with the length of the draft each row was sent; and a batch's
-        # drafting states (core handles, or the pool's requests) with whether each row has one: a
+        # drafting states (the source's: core handles, or the pool's requests) with whether each row has one: a
         # steady decode batch is the same from step to step, and touching each row's objects after
         # a forward has flushed the caches is what per-row code costs.
         self._sent: tuple[tuple[str, ...], np.ndarray] = ((), np.zeros(0, dtype=np.int64))
@@ -226,103 +203,42 @@ class NgramRLProposer:
         self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch,
                                                              *_forward_resources(vllm_config))
         self._looked_up = False
-        self.core: Any = None  # the drafting core, where drafts are made in this process
-        self._setup_drafting()
+        self.source: DraftSource = self._make_source()
+        self.core: Any = self.source.core  # the drafting core, where drafts are made in this process
 
-    # -- where drafts come from: the drafting core in this process (the Ray drafter pool's client
-    #    overrides these hooks) --
-
-    def _setup_drafting(self) -> None:
-        """The drafting core (native when built) holds the history and the acceptance calibration
-        (learned by following every draft it makes), which its outcome model and its choice of
-        draft lengths read."""
-        self.core = make_core(self.config.history, self.drafter_config, self.config.prefetch,
-                              threads=self.config.engine.draft_threads, follow=True)
-        self.follower = None  # the core follows every draft it makes and calibrates itself
-        self.calibration = None
-
-    def _start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> Any:
-        """A request with a prompt id starts; returns its drafting state (a core handle)."""
-        return self.core.start(prompt_id, prompt, before, register=True)
-
-    def _finish(self, request: Any, epoch: int) -> None:
-        self.core.finish(request, epoch=epoch)
-
-    def _begin_step(self) -> None:
-        """The forward that verified the last drafts is over: stop the prefetch (its finished
-        lookups are kept for this step)."""
-        if self.prefetching:
-            self.core.collect(cancel=True)
-
-    def _draft(self, rows: StepRows) -> DraftBatch:
-        """Commit each row's sampled tokens and make its next draft (at most ``ks[i]`` tokens), all
-        rows in one call of the core. A row without room (k = 0: drafting does not pay at this
-        batch size) only keeps its tokens: the next step that drafts indexes the backlog in one go,
-        when the automaton is in the caches, not flushed by a forward (at 32 requests in flight this
-        took a quarter off the proposer's mean time per step; docs/vllm.md)."""
-        return self.core.step(rows.requests, rows.tokens, rows.offsets, rows.ks)
-
-    def _end_step(self, rows: StepRows, sent: DraftBatch) -> None:
-        """``sent``: the drafts going to verification, one per row. After a step with lookups its
-        committed tokens enter the index: in the background during the forward, with the next
-        drafts of the likeliest outcomes prefetched after them, where the forward leaves a core
-        idle; otherwise at once (a background thread on the forward's cores would slow it). A step
-        without lookups leaves them for the next one that looks up (a worker woken for the inserts
-        alone measured 1.3% slower than synchronous drafting at 32 requests in flight; docs/vllm.md)."""
-        if not len(rows) or not self._looked_up:
-            return
-        handles = rows.requests
-        if not self.prefetching:
-            self.core.absorb(handles, now=True)
-            return
-        if not self._prefetches_next(len(rows)):
-            self.core.absorb(handles)
-            return
-        drafting = rows.ks > 0
-        lengths = np.diff(sent.offsets)
-        offsets = np.zeros(int(drafting.sum()) + 1, dtype=np.int64)
-        np.cumsum(lengths[drafting], out=offsets[1:])
-        mask = np.repeat(drafting, lengths)
-        self.core.prefetch(np.asarray(handles, dtype=np.int64)[drafting], sent.tokens[mask], offsets,
-                           sent.probs[mask], self.k, absorb=handles)
+    def _make_source(self) -> DraftSource:
+        """Where the drafts come from: the drafting core in this process."""
+        return CoreSource(self.config, self.drafter_config, self.k, self.prefetching)
 
     def _prefetches_next(self, rows: int) -> bool:
         """Whether next drafts are worth prefetching now: the next step will look them up."""
         return self.config.prefetch.budget > 0 and self._looks_up(self.stats.steps + 1, rows)
 
-    def _backend_stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = {"prompts": len(self.core), "native_core": self.core.native}
-        timings = self.core.timings() if self.core.native else None
-        if self.prefetching and timings is not None:
-            stats.update(prefetch_dispatched=timings["prefetch_lookups"], prefetch_failed=0,
-                         prefetch_plan_us_median=timings["plan_ns"] / 1000 / max(1, timings["plan_rows"]))
-        return stats
-
-    def _followed(self) -> tuple[int, int]:
-        """Drafts followed to their end and their accepted tokens."""
-        if self.follower is not None:
-            return self.follower.resolved, self.follower.accepted
-        return self.core.followed()
-
     def calibration_state(self) -> list[list[float]]:
-        return self.core.calibration_state() if self.core is not None else self.calibration.state()
+        return self.source.calibration_state()
 
     def export_state(self) -> dict[str, Any] | None:
         """What this proposer has learned, as plain data: the rollout history it drafts from, the
         step-cost fit and the acceptance calibration; a new engine given it (``restore_state``)
         starts warm. None where the history lives elsewhere (the Ray drafter pool)."""
-        return {"history": self.core.export(), "step_cost": self.cost.state(),
+        history = self.source.export_history()
+        if history is None:
+            return None
+        return {"history": history, "step_cost": self.cost.state(),
                 "calibration": self.calibration_state(), "delivered": list(self._delivered)}
 
     def restore_state(self, state: dict[str, Any]) -> int:
         """Take what ``export_state`` gave, in place of what this proposer had learned (between
         generate calls); returns the prompts now known."""
-        self.core.clear()
-        self.core.restore(state["history"])
+        prompts = self.source.restore_history(state["history"])
         self.cost.load_state(state["step_cost"])
-        self.core.load_calibration_state(state["calibration"])
+        self.source.load_calibration_state(state["calibration"])
         self._delivered = [float(v) for v in state["delivered"]]
-        return len(self.core)
+        return prompts
+
+    def new_batch(self) -> None:
+        """A generate call starts (the source may look for restarted drafter actors)."""
+        self.source.new_batch()
 
     def bind_runner(self, runner: Any) -> None:
         self.runner = runner
@@ -344,12 +260,9 @@ class NgramRLProposer:
         if self._step_started is not None and batch == self._last_batch:
             self.cost.observe(len(batch), self._verified_tokens, begin / 1e9 - self._step_started)
         self._last_batch = batch
-        self._begin_step()
+        self.source.begin_step()
         self._retire(runner.requests)
         rows = self._rows(batch, sampled_token_ids, num_tokens_no_spec)
-        if self.follower is not None:
-            for i, req_id in enumerate(rows.req_ids):
-                self.follower.committed(req_id, rows.sampled(i))
         committed = np.diff(rows.offsets)
         self.stats.row_steps += len(rows)
         self.stats.committed_tokens += int(committed.sum())
@@ -368,7 +281,7 @@ class NgramRLProposer:
         if not looked:
             rows.ks[:] = 0  # no draft could pay for its verification now: skip the lookups
         self._looked_up = bool(len(rows)) and bool(np.any(rows.ks > 0))
-        made = self._draft(rows) if len(rows) else DraftBatch.from_drafts([])
+        made = self.source.draft(rows) if len(rows) else DraftBatch.from_drafts([])
         self.stats.prefetch_hits += int(made.prefetched.sum())
         lengths, expected, paid = self._lengths(made, exploring)
         if looked and self.config.engine.adaptive_length:
@@ -378,9 +291,6 @@ class NgramRLProposer:
         decay = self.config.prefetch.calibration_decay  # recent steps count: acceptance drifts
         self._delivered = [decay * self._delivered[0], decay * self._delivered[1] + expected]
         sizes = np.diff(made.offsets)
-        if self.follower is not None:
-            for i in np.flatnonzero(sizes).tolist():
-                self.follower.offer(rows.req_ids[i], made.draft(i))
         kept = np.minimum(lengths, sizes)
         valid = np.minimum(kept, valid_lengths(made, self.vocab_size))
         self.stats.cut_tokens += int((sizes - kept).sum())
@@ -397,7 +307,7 @@ class NgramRLProposer:
         tokens, offsets = sent.tokens.tolist(), sent.offsets.tolist()
         for i in drafting.tolist():
             drafts[int(rows.index[i])] = tokens[offsets[i]:offsets[i + 1]]
-        self._end_step(rows, sent)
+        self.source.end_step(rows, sent, self._looked_up, self._prefetches_next(len(rows)))
         self.stats.steps += 1
         end = self.clock()
         if len(rows):
@@ -473,16 +383,9 @@ class NgramRLProposer:
         accepted tokens the calibrated model expects of what is kept, and whether the cost model
         (not a probe) kept any token."""
         engine = self.config.engine
-        delivered = self._delivery()
         probe = PROBE_TOKENS[self._probes % 2] if exploring else 0
-        if self.core is not None:  # one call, in the native core where it is built
-            chosen, expected, paid, probed = self.core.lengths(drafts.probs, drafts.offsets, delivered,
-                                                               self.cost.fit, engine.min_gain,
-                                                               engine.adaptive_length, probe)
-        else:
-            chosen, expected, paid, probed = choose_lengths(self.calibration, drafts.probs, drafts.offsets, delivered,
-                                                            self.cost.fit, engine.min_gain,
-                                                            engine.adaptive_length, probe)
+        chosen, expected, paid, probed = self.source.lengths(drafts, self._delivery(), self.cost.fit, engine.min_gain,
+                                                             engine.adaptive_length, probe)
         self._probes += probed
         return np.asarray(chosen, dtype=np.int64), expected, paid
 
@@ -562,7 +465,7 @@ class NgramRLProposer:
             return
         produced = list(getattr(cached, "output_token_ids", []) or [])
         before = produced[: max(0, len(produced) - len(sampled))]  # tokens from before this step
-        self.requests[req_id] = self._start(req_id, str(prompt_id), list(prompt), before)
+        self.requests[req_id] = self.source.start(req_id, str(prompt_id), list(prompt), before)
         self.epochs[req_id] = int(extra.get("epoch", 0))
 
     def _retire(self, live: dict[str, Any]) -> None:
@@ -575,10 +478,8 @@ class NgramRLProposer:
         for req_id in [req_id for req_id in self.requests if req_id in gone]:
             request = self.requests.pop(req_id)
             epoch = self.epochs.pop(req_id, 0)
-            if self.follower is not None:
-                self.follower.drop(req_id)
             if request is not None:
-                self._finish(request, epoch)
+                self.source.finish(request, epoch)
                 self.stats.finished_rollouts += 1
 
     def stats_dict(self) -> dict[str, Any]:
@@ -591,9 +492,9 @@ class NgramRLProposer:
                 "finished_rollouts": stats.finished_rollouts, "row_steps": stats.row_steps,
                 "committed_tokens": stats.committed_tokens, "accepted_tokens": stats.accepted_tokens,
                 "expected_accepted": round(stats.expected_accepted, 2),
-                **dict(zip(("followed_drafts", "followed_accepted"), self._followed(), strict=True)),
+                **dict(zip(("followed_drafts", "followed_accepted"), self.source.followed(), strict=True)),
                 "draft_us_median": (statistics.median(stats.recent_draft_ns) / 1000 if stats.recent_draft_ns
                                     else None),
                 "draft_us_total": stats.draft_ns_total / 1000, "step_base_s": base,
                 "step_per_request_s": per_request, "step_per_token_s": per_token,
-                "step_per_verify_s": per_verify, "step_knee_tokens": self.cost.knee, **self._backend_stats()}
+                "step_per_verify_s": per_verify, "step_knee_tokens": self.cost.knee, **self.source.stats()}

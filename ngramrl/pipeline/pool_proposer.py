@@ -22,9 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from ngramrl.core.batch import DraftBatch
+from ngramrl.config import PrefetchConfig
+from ngramrl.core.batch import DraftBatch, choose_lengths
 from ngramrl.core.drafter import EMPTY, Draft
-from ngramrl.engine.vllm_proposer import NgramRLProposer, StepRows
+from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower
+from ngramrl.engine.sources import StepRows
+from ngramrl.engine.vllm_proposer import NgramRLProposer
 from ngramrl.pipeline.pool import PoolSettings, StepItem, StepReply, shard_of
 
 POOL_ENV = "NGRAMRL_POOL"
@@ -65,17 +68,39 @@ def connect_ray(settings: PoolSettings) -> Any:
 
 
 class PoolProposer(NgramRLProposer):
-    def _setup_drafting(self) -> None:
+    """``NgramRLProposer`` drafting from the Ray drafter pool (``PoolSource``)."""
+
+    def _make_source(self) -> PoolSource:
         text = os.environ.get(POOL_ENV)
         if not text:
             raise RuntimeError(f"{POOL_ENV} is not set: PoolProposer drafts from a Ray drafter pool and needs its "
                                "settings (the rollout worker sets them)")
-        self.settings = PoolSettings.from_json(text)
-        self.ray = connect_ray(self.settings)
+        return PoolSource(PoolSettings.from_json(text), self.config.prefetch, self.drafter_config.stop_tokens, self.k,
+                          self.prefetching)
+
+
+class PoolSource:
+    """The Ray drafter pool's client as the proposer's draft source. The shards hold the history
+    (and snapshot it themselves: ``DrafterPool.snapshot``); the acceptance calibration is learned
+    here, by following every draft the shards send (cut ones too). ``stop_tokens``: this engine's
+    end-of-sequence tokens (the shards may not know them); ``k``: the most draft tokens a step
+    verifies per request; ``prefetch``: the forward leaves time for the shards' prefetch."""
+
+    core = None
+
+    def __init__(self, settings: PoolSettings, calibration: PrefetchConfig, stop_tokens: tuple[int, ...], k: int,
+                 prefetch: bool) -> None:
+        self.settings = settings
+        self.ray = connect_ray(settings)
         from ray.exceptions import RayError
 
         self.ray_error = RayError
-        shards = len(self.settings.names)
+        self.stop_tokens = frozenset(stop_tokens)
+        self.k = k
+        self.prefetch = prefetch
+        self.calibration = AcceptanceCalibration(calibration.prior_strength, calibration.calibration_decay)
+        self.follower = DraftFollower(self.calibration)
+        shards = len(settings.names)
         self.handles: list[Any | None] = [None] * shards
         self.actor_ids: list[str | None] = [None] * shards
         self.retry_at = [0.0] * shards
@@ -86,17 +111,35 @@ class PoolProposer(NgramRLProposer):
         self.prefetch_refs: list[tuple[int, Any]] = []
         self.client = PoolClientStats()
 
-    # -- shards -----------------------------------------------------------------------------
+    # -- what the shards cannot do here -------------------------------------------------------
 
-    def export_state(self) -> dict | None:
-        return None  # the shards hold the history, and snapshot it themselves (DrafterPool.snapshot)
+    def export_history(self) -> None:
+        return None
 
-    def restore_state(self, state: dict) -> int:
+    def restore_history(self, history: Any) -> int:
         raise NotImplementedError("the drafter pool's history is restored by DrafterPool.restore")
 
     def new_batch(self) -> None:
         """Between generate calls the pool may have restarted shards: look for them again now."""
         self.retry_at = [0.0] * len(self.retry_at)
+
+    # -- acceptance -----------------------------------------------------------------------------
+
+    def lengths(self, drafts: DraftBatch, scale: float, fit: tuple[float, ...], min_gain: float, adaptive: bool,
+                probe_tokens: int) -> tuple[Any, float, bool, bool]:
+        return choose_lengths(self.calibration, drafts.probs, drafts.offsets, scale, fit, min_gain, adaptive,
+                              probe_tokens)
+
+    def followed(self) -> tuple[int, int]:
+        return self.follower.resolved, self.follower.accepted
+
+    def calibration_state(self) -> list[list[float]]:
+        return self.calibration.state()
+
+    def load_calibration_state(self, state: list[list[float]]) -> None:
+        self.calibration.load_state(state)
+
+    # -- shards -----------------------------------------------------------------------------
 
     def _handle(self, shard: int) -> Any | None:
         handle = self.handles[shard]
@@ -128,19 +171,20 @@ class PoolProposer(NgramRLProposer):
             self._shard_failed(shard)
             return None
 
-    # -- the proposer's drafting hooks --------------------------------------------------------
+    # -- drafting -----------------------------------------------------------------------------
 
-    def _start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> PoolRequest:
+    def start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> PoolRequest:
         return PoolRequest(req_id, prompt_id, prompt, list(before), shard_of(prompt_id, len(self.handles)))
 
-    def _finish(self, request: PoolRequest, epoch: int) -> None:
+    def finish(self, request: PoolRequest, epoch: int) -> None:
         finished = self.finished[request.shard]
         finished.append(request.req_id)
         if len(finished) > MAX_FINISHED:  # a shard down for long: the oldest ids are not worth keeping
             del finished[:len(finished) // 2]
         self.candidates.pop(request.req_id, None)
+        self.follower.drop(request.req_id)
 
-    def _begin_step(self) -> bool:
+    def begin_step(self) -> None:
         """Take the prefetch answers that came back during the forward; surface failed calls. (The
         shards hold the history: nothing here waits, the drafting state is always free to use.)"""
         refs = self.step_refs + self.prefetch_refs
@@ -159,9 +203,10 @@ class PoolProposer(NgramRLProposer):
                     self.candidates[req_id] = {(j, b): Draft(tokens, probs, source="prompt")
                                                for j, b, tokens, probs in outcomes}
         self.step_refs, self.prefetch_refs = [], []
-        return True
 
-    def _draft(self, rows: StepRows) -> DraftBatch:
+    def draft(self, rows: StepRows) -> DraftBatch:
+        for i, req_id in enumerate(rows.req_ids):
+            self.follower.committed(req_id, rows.sampled(i))
         drafts: list[Draft] = [EMPTY] * len(rows)
         prefetched = [False] * len(rows)
         items: dict[int, list[StepItem]] = {}
@@ -200,13 +245,15 @@ class PoolProposer(NgramRLProposer):
         if waiting:
             self._wait_for_drafts(rows, drafts, refs, waiting)
         self.step_refs = [(shard, ref) for shard, ref in refs.items() if shard not in waiting]
+        for req_id, draft in zip(rows.req_ids, drafts, strict=True):
+            if draft.tokens:
+                self.follower.offer(req_id, draft)
         return DraftBatch.from_drafts(drafts, prefetched)
 
     def _usable(self, draft: Draft, k: int) -> Draft:
         """At most ``k`` tokens, and nothing after this engine's end-of-sequence tokens: the shards
         may have been started without them (OpenRLHF's launch does not know the tokenizer)."""
-        stops = self.drafter_config.stop_tokens
-        end = next((i + 1 for i, token in enumerate(draft.tokens[:k]) if token in stops), k)
+        end = next((i + 1 for i, token in enumerate(draft.tokens[:k]) if token in self.stop_tokens), k)
         return draft.truncated(end)
 
     def _wait_for_drafts(self, rows: StepRows, drafts: list[Draft], refs: dict[int, Any],
@@ -235,21 +282,21 @@ class PoolProposer(NgramRLProposer):
                     continue
                 drafts[i] = self._usable(Draft(reply.tokens, reply.probs, source="prompt"), int(rows.ks[i]))
 
-    def _end_step(self, rows: StepRows, sent: DraftBatch) -> None:
+    def end_step(self, rows: StepRows, sent: DraftBatch, looked_up: bool, prefetch_next: bool) -> None:
         by_shard: dict[int, list[str]] = {}
         for request, length in zip(rows.requests, np.diff(sent.offsets).tolist(), strict=True):
             request: PoolRequest
             request.verified = length
             if length and self.handles[request.shard] is not None:
                 by_shard.setdefault(request.shard, []).append(request.req_id)
-        if not (self.prefetching and self._prefetches_next(len(rows))):
+        if not (self.prefetch and prefetch_next):
             return
         for shard, req_ids in by_shard.items():
             handle = self.handles[shard]
             if handle is not None:
                 self.prefetch_refs.append((shard, handle.prefetch.remote(req_ids, self.k)))
 
-    def _backend_stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         import statistics
 
         client = self.client

@@ -227,12 +227,11 @@ def test_engine_side_drafts_end_at_the_engines_end_of_sequence_tokens():
     side cuts there, and at k."""
     from types import SimpleNamespace
 
-    from ngramrl.config import DrafterConfig
     from ngramrl.core.drafter import Draft
-    from ngramrl.pipeline.pool_proposer import PoolProposer
+    from ngramrl.pipeline.pool_proposer import PoolSource
 
-    proposer = SimpleNamespace(drafter_config=DrafterConfig(stop_tokens=(2,)))
+    source = SimpleNamespace(stop_tokens=frozenset({2}))
     draft = Draft([5, 6, 2, 7, 8], [0.9] * 5)
-    assert PoolProposer._usable(proposer, draft, 8).tokens == [5, 6, 2]
-    assert PoolProposer._usable(proposer, draft, 1).tokens == [5]
-    assert PoolProposer._usable(proposer, Draft([5, 6], [0.9, 0.9]), 8).tokens == [5, 6]
+    assert PoolSource._usable(source, draft, 8).tokens == [5, 6, 2]
+    assert PoolSource._usable(source, draft, 1).tokens == [5]
+    assert PoolSource._usable(source, Draft([5, 6], [0.9, 0.9]), 8).tokens == [5, 6]

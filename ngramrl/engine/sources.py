@@ -1,0 +1,175 @@
+"""Where the vLLM proposer's drafts come from.
+
+``NgramRLProposer`` (``ngramrl.engine.vllm_proposer``) decides, per engine step, which rows look
+up and how much of each draft to verify (its step-cost model); a ``DraftSource`` makes the drafts
+and keeps what drafting knows (the rollout history, the acceptance calibration). Two sources:
+
+- ``CoreSource``: the drafting core (``ngramrl.core.batch``) in the engine process;
+- ``PoolSource`` (``ngramrl.pipeline.pool_proposer``): the Ray drafter pool's client, the history
+  in CPU actors beside the engines.
+
+Every call takes or returns a whole step's rows as arrays (``StepRows``, ``DraftBatch``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ngramrl.config import DrafterConfig, NgramRLConfig
+from ngramrl.core.batch import DraftBatch, make_core
+
+
+@dataclass
+class StepRows:
+    """This step's rows with a prompt id and committed tokens, as arrays: row i is the batch's row
+    ``index[i]``, request ``req_ids[i]`` with drafting state ``requests[i]``; it committed
+    ``tokens[offsets[i]:offsets[i + 1]]`` and has room for a draft of ``ks[i]`` tokens (0: no lookup)."""
+
+    index: np.ndarray    # int64
+    req_ids: list[str]
+    requests: Any        # the source's states: the core's handles (int64 array), or a list
+    tokens: np.ndarray   # int32
+    offsets: np.ndarray  # int64, rows + 1
+    ks: np.ndarray       # int32
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def sampled(self, i: int) -> list[int]:
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]].tolist()
+
+
+class DraftSource(Protocol):
+    """What the proposer asks of where its drafts come from."""
+
+    core: Any  # the drafting core in this process, or None
+
+    def start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> Any:
+        """A request with a prompt id starts (``before``: its tokens so far); returns its state."""
+
+    def finish(self, request: Any, epoch: int) -> None:
+        """The request left the engine: its output becomes a rollout of ``epoch``."""
+
+    def begin_step(self) -> None:
+        """The forward that verified the last drafts is over."""
+
+    def draft(self, rows: StepRows) -> DraftBatch:
+        """Commit each row's tokens and draft up to ``rows.ks[i]`` tokens (0: commit only)."""
+
+    def end_step(self, rows: StepRows, sent: DraftBatch, looked_up: bool, prefetch_next: bool) -> None:
+        """``sent``: the drafts going to verification. ``prefetch_next``: the next step will look up."""
+
+    def lengths(self, drafts: DraftBatch, scale: float, fit: tuple[float, ...], min_gain: float, adaptive: bool,
+                probe_tokens: int) -> tuple[Any, float, bool, bool]:
+        """``ngramrl.core.batch.choose_lengths`` on this source's acceptance calibration."""
+
+    def followed(self) -> tuple[int, int]:
+        """Drafts followed to their end and their accepted tokens."""
+
+    def calibration_state(self) -> list[list[float]]: ...
+
+    def load_calibration_state(self, state: list[list[float]]) -> None: ...
+
+    def export_history(self) -> Any | None:
+        """The rollout history as plain data; None where it lives elsewhere and is saved there."""
+
+    def restore_history(self, history: Any) -> int:
+        """Take ``export_history``'s data in place of the history; returns the prompts now known."""
+
+    def new_batch(self) -> None:
+        """A generate call starts."""
+
+    def stats(self) -> dict[str, Any]:
+        """The source's own counters, for the proposer's stats."""
+
+
+class CoreSource:
+    """The drafting core (native when built) in the engine process: it holds the history and the
+    acceptance calibration (learned by following every draft it makes), which its outcome model
+    and its choice of draft lengths read. ``k``: the most draft tokens a step verifies per
+    request; ``background``: the forward leaves a core idle, so the step's inserts and the
+    prefetch of the next drafts run during it."""
+
+    def __init__(self, config: NgramRLConfig, drafter: DrafterConfig, k: int, background: bool) -> None:
+        self.core = make_core(config.history, drafter, config.prefetch, threads=config.engine.draft_threads,
+                              follow=True)
+        self.k = k
+        self.background = background
+
+    def start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> int:
+        return self.core.start(prompt_id, prompt, before, register=True)
+
+    def finish(self, request: int, epoch: int) -> None:
+        self.core.finish(request, epoch=epoch)
+
+    def begin_step(self) -> None:
+        """Stop the prefetch (its finished lookups are kept for this step)."""
+        if self.background:
+            self.core.collect(cancel=True)
+
+    def draft(self, rows: StepRows) -> DraftBatch:
+        """All rows in one call of the core. A row without room (k = 0: drafting does not pay at
+        this batch size) only keeps its tokens: the next step that drafts indexes the backlog in
+        one go, when the automaton is in the caches, not flushed by a forward (at 32 requests in
+        flight this took a quarter off the proposer's mean time per step; docs/vllm.md)."""
+        return self.core.step(rows.requests, rows.tokens, rows.offsets, rows.ks)
+
+    def end_step(self, rows: StepRows, sent: DraftBatch, looked_up: bool, prefetch_next: bool) -> None:
+        """After a step with lookups its committed tokens enter the index: in the background during
+        the forward, with the next drafts of the likeliest outcomes prefetched after them, where
+        the forward leaves a core idle; otherwise at once (a background thread on the forward's
+        cores would slow it). A step without lookups leaves them for the next one that looks up (a
+        worker woken for the inserts alone measured 1.3% slower than synchronous drafting at 32
+        requests in flight; docs/vllm.md)."""
+        if not len(rows) or not looked_up:
+            return
+        handles = rows.requests
+        if not self.background:
+            self.core.absorb(handles, now=True)
+            return
+        if not prefetch_next:
+            self.core.absorb(handles)
+            return
+        drafting = rows.ks > 0
+        lengths = np.diff(sent.offsets)
+        offsets = np.zeros(int(drafting.sum()) + 1, dtype=np.int64)
+        np.cumsum(lengths[drafting], out=offsets[1:])
+        mask = np.repeat(drafting, lengths)
+        self.core.prefetch(np.asarray(handles, dtype=np.int64)[drafting], sent.tokens[mask], offsets,
+                           sent.probs[mask], self.k, absorb=handles)
+
+    def lengths(self, drafts: DraftBatch, scale: float, fit: tuple[float, ...], min_gain: float, adaptive: bool,
+                probe_tokens: int) -> tuple[Any, float, bool, bool]:
+        return self.core.lengths(drafts.probs, drafts.offsets, scale, fit, min_gain, adaptive, probe_tokens)
+
+    def followed(self) -> tuple[int, int]:
+        return self.core.followed()
+
+    def calibration_state(self) -> list[list[float]]:
+        return self.core.calibration_state()
+
+    def load_calibration_state(self, state: list[list[float]]) -> None:
+        self.core.load_calibration_state(state)
+
+    def export_history(self) -> Any:
+        return self.core.export()
+
+    def restore_history(self, history: Any) -> int:
+        self.core.clear()
+        self.core.restore(history)
+        return len(self.core)
+
+    def new_batch(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {"prompts": len(self.core), "native_core": self.core.native}
+        timings = self.core.timings() if self.core.native else None
+        if self.background and timings is not None:
+            stats.update(prefetch_dispatched=timings["prefetch_lookups"], prefetch_failed=0,
+                         prefetch_plan_us_median=timings["plan_ns"] / 1000 / max(1, timings["plan_rows"]))
+        return stats
+
