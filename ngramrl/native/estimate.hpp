@@ -144,24 +144,145 @@ inline void step_sources(std::vector<SourceMatch>& at, int32_t token) {
     for (SourceMatch& s : at) s.match = s.index->step(s.match, token);
 }
 
+// continuation_estimates with limit 1, no exclusion and no floor (the chain's greedy step), and
+// the match states after the chosen token. Same levels, same candidates, the same floating-point
+// sum in the same order; fewer lookups, because in a suffix automaton a token that continues a
+// state continues its suffix link too: within one index the levels that know a candidate are the
+// shortest ones read, so each candidate's levels are scanned from the shortest until one does not
+// know it, and the longest that does is where Automaton::step would find it.
+class GreedyStep {
+public:
+    // Whether there is a likeliest next token; then token(), probability() and advance().
+    bool choose(const SourceMatch* sources, size_t num_sources, int32_t levels, int32_t min_length) {
+        read_.clear();
+        candidates_.clear();
+        ranges_.resize(num_sources);
+        double mass = 1.0;
+        for (size_t si = 0; si < num_sources; ++si) {
+            const Automaton& a = *sources[si].index;
+            Range& range = ranges_[si];
+            range.begin = range.end = static_cast<int32_t>(read_.size());
+            range.first = -1;
+            if (sources[si].match.matched < min_length) continue;
+            int32_t state = sources[si].match.state;
+            int32_t used = 0;
+            while (used < levels && mass > 0.0 && a[state].length >= min_length) {
+                const Automaton::State& s = a[state];
+                const int32_t distinct = a.num_children(state);
+                if (distinct) {
+                    used += 1;
+                    const int64_t norm = static_cast<int64_t>(s.followed) + distinct;
+                    read_.push_back(Level{state, s.best_token, s.best_state, mass / static_cast<double>(norm)});
+                    add(s.best_token);
+                    mass *= static_cast<double>(distinct) / static_cast<double>(norm);
+                }
+                if (state == ROOT) break;
+                state = s.link;
+            }
+            range.end = static_cast<int32_t>(read_.size());
+        }
+        token_ = -1;
+        double top_p = 0.0;
+        kids_.resize(read_.size());
+        firsts_.resize(num_sources);
+        for (int32_t token : candidates_) {
+            double p = 0.0;
+            for (size_t si = 0; si < num_sources; ++si) {
+                const Automaton& a = *sources[si].index;
+                const Range& range = ranges_[si];
+                int32_t first = range.end;
+                for (int32_t lv = range.end - 1; lv >= range.begin; --lv) {
+                    const Level& level = read_[lv];
+                    const int32_t kid = level.best_token == token ? level.best_state : a.child(level.state, token);
+                    if (kid < 0) break;
+                    kids_[lv] = kid;
+                    first = lv;
+                }
+                for (int32_t lv = first; lv < range.end; ++lv)
+                    p += read_[lv].scale * static_cast<double>(a[kids_[lv]].count);
+                firsts_[si] = first;
+            }
+            if (p > top_p) {  // the first of the largest
+                token_ = token;
+                top_p = p;
+                for (size_t si = 0; si < num_sources; ++si) {
+                    Range& range = ranges_[si];
+                    range.first = firsts_[si];
+                    range.kid = firsts_[si] < range.end ? kids_[firsts_[si]] : -1;
+                }
+            }
+        }
+        probability_ = top_p;
+        return token_ >= 0;
+    }
+
+    int32_t token() const { return token_; }
+    double probability() const { return probability_; }
+
+    // Each source's match after the chosen token (Automaton::step, from what choose() found).
+    void advance(SourceMatch* sources, size_t num_sources) const {
+        for (size_t si = 0; si < num_sources; ++si) {
+            SourceMatch& s = sources[si];
+            const Range& range = ranges_[si];
+            if (range.first < range.end) {
+                const int32_t state = read_[range.first].state;
+                const int32_t matched = state == s.match.state ? s.match.matched : (*s.index)[state].length;
+                s.match = Match{range.kid, matched + 1};
+            } else {
+                s.match = s.index->step(s.match, token_);
+            }
+        }
+    }
+
+private:
+    struct Level {
+        int32_t state, best_token, best_state;
+        double scale;  // the level's mass per occurrence
+    };
+    struct Range {
+        int32_t begin, end;  // the source's levels in read_, longest first
+        int32_t first;       // the chosen token's longest level in the source (end: none)
+        int32_t kid;         // its child there
+    };
+    std::vector<Level> read_;
+    std::vector<Range> ranges_;
+    std::vector<int32_t> candidates_;  // in the order first met
+    std::vector<int32_t> kids_;        // per level: the candidate's child (where it is known)
+    std::vector<int32_t> firsts_;
+    int32_t token_ = -1;
+    double probability_ = 0.0;
+
+    void add(int32_t token) {
+        for (int32_t c : candidates_)
+            if (c == token) return;
+        candidates_.push_back(token);
+    }
+};
+
 // tree.extend_path: up to ``room`` more tokens, the likeliest each time, until a stop token, no
 // evidence, or a path probability below min_confidence.
-inline void extend_path(std::vector<SourceMatch> at, double path_prob, int32_t room, const ChainConfig& config,
-                        std::vector<int32_t>& tokens, std::vector<double>& probs) {
-    thread_local std::vector<std::pair<double, int32_t>> top;
+inline void extend_path(const std::vector<SourceMatch>& start, double path_prob, int32_t room,
+                        const ChainConfig& config, std::vector<int32_t>& tokens, std::vector<double>& probs) {
+    struct Scratch {
+        GreedyStep greedy;
+        std::vector<SourceMatch> at;
+    };
+    thread_local Scratch scratch;
+    std::vector<SourceMatch>& at = scratch.at;
+    GreedyStep& greedy = scratch.greedy;
+    at.assign(start.begin(), start.end());
     int32_t added = 0;
     while (added < room) {
-        continuation_estimates(at.data(), at.size(), config.levels, 1, -1, config.min_match, 0.0, top);
-        if (top.empty()) break;
-        const double p = top[0].first;
-        const int32_t token = top[0].second;
+        if (!greedy.choose(at.data(), at.size(), config.levels, config.min_match)) break;
+        const double p = greedy.probability();
+        const int32_t token = greedy.token();
         path_prob *= p;
         if (path_prob < config.min_confidence) break;
         tokens.push_back(token);
         probs.push_back(p);
         ++added;
         if (config.is_stop(token) || added >= room) break;
-        step_sources(at, token);
+        greedy.advance(at.data(), at.size());
     }
 }
 
