@@ -437,12 +437,26 @@ public:
         constexpr size_t kChunk = 8;
         const size_t chunks = (lookups_.size() + kChunk - 1) / kChunk;
         pool_.run(chunks, [&](size_t c) {
-            const size_t end = std::min(lookups_.size(), (c + 1) * kChunk);
-            for (size_t n = c * kChunk; n < end; ++n) {
+            const size_t begin = c * kChunk, end = std::min(lookups_.size(), (c + 1) * kChunk);
+            thread_local std::vector<std::vector<SourceMatch>> sources;
+            thread_local std::vector<int32_t> row_ks;
+            thread_local std::vector<DraftOut*> outs;
+            sources.resize(end - begin);
+            row_ks.clear();
+            outs.clear();
+            for (size_t n = begin; n < end; ++n) {  // the rows' match states, their misses overlapped
+                const Request& r = *reqs[lookups_[n]];
+                r.index->prefetch_state(r.ls.match.state);
+                if (global && r.ls.global_serial == global->serial) global->prefetch_state(r.ls.global_match.state);
+            }
+            for (size_t n = begin; n < end; ++n) {
                 const int32_t i = lookups_[n];
                 Request& r = *reqs[i];
-                lookup_from(r.index, r, nullptr, 0, r.ls, ks[i], global, drafts_[i]);
+                sources_of(r.index, r, nullptr, 0, r.ls, global, sources[n - begin]);
+                row_ks.push_back(ks[i]);
+                outs.push_back(&drafts_[i]);
             }
+            chains(sources, row_ks.data(), outs.data(), end - begin, config_.chain);
         });
         if (follow_)
             for (size_t i = 0; i < rows; ++i)
@@ -861,8 +875,15 @@ private:
     // NgramDrafter.lookup once the request is known and its index current.
     void lookup_from(const Automaton* index, const Request& base, const int32_t* extra, size_t n_extra, LookState& ls,
                      int32_t k, Automaton* global, DraftOut& out) const {
-        catch_up(index, base, extra, n_extra, ls, global);
         thread_local std::vector<SourceMatch> sources;
+        sources_of(index, base, extra, n_extra, ls, global, sources);
+        chain(sources, k, config_.chain, out);
+    }
+
+    // The match states a lookup drafts from (the prompt's index first), caught up.
+    void sources_of(const Automaton* index, const Request& base, const int32_t* extra, size_t n_extra, LookState& ls,
+                    Automaton* global, std::vector<SourceMatch>& sources) const {
+        catch_up(index, base, extra, n_extra, ls, global);
         sources.assign(1, SourceMatch{index, ls.match});
         if (config_.use_global) {
             if (ls.global_serial != global->serial) {
@@ -874,7 +895,6 @@ private:
             }
             sources.push_back(SourceMatch{global, ls.global_match});
         }
-        chain(sources, k, config_.chain, out);
     }
 
     bool readable(const Request& r) const {
