@@ -945,6 +945,29 @@ private:
         lookup_from(r.index, r, after.data(), after.size(), probe, k, global, out);
     }
 
+    // lookup_outcome for several outcomes of one request, drafted together.
+    void lookup_outcomes(const Request& r, const Tokens& tokens, int64_t begin, const OutcomeOut* outcomes, size_t n,
+                         int32_t k, Automaton* global, Prefetched* found) const {
+        thread_local std::vector<std::vector<SourceMatch>> sources;
+        thread_local std::vector<int32_t> ks;
+        thread_local std::vector<DraftOut*> outs;
+        thread_local Tokens after;
+        thread_local LookState probe;
+        sources.resize(n);
+        ks.assign(n, k);
+        outs.clear();
+        for (size_t i = 0; i < n; ++i) {
+            after.assign(tokens.begin() + begin, tokens.begin() + begin + outcomes[i].accepted);
+            after.push_back(outcomes[i].token);
+            probe = r.ls;
+            probe.behind = after;
+            if (r.ls.global) probe.global_behind.insert(probe.global_behind.end(), after.begin(), after.end());
+            sources_of(r.index, r, after.data(), after.size(), probe, global, sources[i]);
+            outs.push_back(&found[i].draft);
+        }
+        chains(sources, ks.data(), outs.data(), n, config_.chain);
+    }
+
     void run_prefetch(const std::vector<Request*>& reqs, const Tokens& tokens, const std::vector<int64_t>& offsets,
                       const std::vector<double>& probs, int32_t k) {
         const AllocateConfig& alloc = prefetch_.allocate;
@@ -966,10 +989,17 @@ private:
                 predict_row(r, tokens, offsets[rows[n]], offsets[rows[n] + 1], probs, global, candidates[0]);
                 allocate(candidates, {r.handle}, alloc, chosen);
                 const int64_t t1 = now_ns();
-                for (const auto& o : chosen[0]) {
+                // A few lookups at a time, their cache misses overlapped (a cancel waits for one group).
+                constexpr size_t kGroup = 4;
+                const std::vector<OutcomeOut>& outcomes = chosen[0];
+                found[n].reserve(outcomes.size());
+                for (size_t g = 0; g < outcomes.size(); g += kGroup) {
                     if (cancel_.load(std::memory_order_relaxed)) break;
-                    found[n].push_back(Prefetched{rows[n], o, DraftOut{}, Stamp{}});
-                    lookup_outcome(r, tokens, offsets[rows[n]], o, k, global, found[n].back().draft);
+                    const size_t group = std::min(kGroup, outcomes.size() - g);
+                    for (size_t o = g; o < g + group; ++o)
+                        found[n].push_back(Prefetched{rows[n], outcomes[o], DraftOut{}, Stamp{}});
+                    lookup_outcomes(r, tokens, offsets[rows[n]], outcomes.data() + g, group, k, global,
+                                    found[n].data() + g);
                 }
                 plan_ns += t1 - t0;
                 lookup_ns += now_ns() - t1;
