@@ -444,12 +444,26 @@ public:
         constexpr size_t kChunk = 8;
         const size_t chunks = (lookups_.size() + kChunk - 1) / kChunk;
         pool_.run(chunks, [&](size_t c) {
-            const size_t end = std::min(lookups_.size(), (c + 1) * kChunk);
-            for (size_t n = c * kChunk; n < end; ++n) {
+            const size_t begin = c * kChunk, end = std::min(lookups_.size(), (c + 1) * kChunk);
+            thread_local std::vector<std::vector<SourceMatch>> sources;
+            thread_local std::vector<int32_t> row_ks;
+            thread_local std::vector<DraftOut*> outs;
+            sources.resize(end - begin);
+            row_ks.clear();
+            outs.clear();
+            for (size_t n = begin; n < end; ++n) {  // the rows' match states, their misses overlapped
+                const Request& r = *reqs[lookups_[n]];
+                r.index->prefetch_state(r.ls.match.state);
+                if (global && r.ls.global_serial == global->serial) global->prefetch_state(r.ls.global_match.state);
+            }
+            for (size_t n = begin; n < end; ++n) {
                 const int32_t i = lookups_[n];
                 Request& r = *reqs[i];
-                lookup_from(r.index, r, nullptr, 0, r.ls, ks[i], global, drafts_[i]);
+                sources_of(r.index, r, nullptr, 0, r.ls, global, sources[n - begin]);
+                row_ks.push_back(ks[i]);
+                outs.push_back(&drafts_[i]);
             }
+            chains(sources, row_ks.data(), outs.data(), end - begin, config_.chain);
         });
         if (follow_)
             for (size_t i = 0; i < rows; ++i)
@@ -868,8 +882,15 @@ private:
     // NgramDrafter.lookup once the request is known and its index current.
     void lookup_from(const Automaton* index, const Request& base, const int32_t* extra, size_t n_extra, LookState& ls,
                      int32_t k, Automaton* global, DraftOut& out) const {
-        catch_up(index, base, extra, n_extra, ls, global);
         thread_local std::vector<SourceMatch> sources;
+        sources_of(index, base, extra, n_extra, ls, global, sources);
+        chain(sources, k, config_.chain, out);
+    }
+
+    // The match states a lookup drafts from (the prompt's index first), caught up.
+    void sources_of(const Automaton* index, const Request& base, const int32_t* extra, size_t n_extra, LookState& ls,
+                    Automaton* global, std::vector<SourceMatch>& sources) const {
+        catch_up(index, base, extra, n_extra, ls, global);
         sources.assign(1, SourceMatch{index, ls.match});
         if (config_.use_global) {
             if (ls.global_serial != global->serial) {
@@ -881,7 +902,6 @@ private:
             }
             sources.push_back(SourceMatch{global, ls.global_match});
         }
-        chain(sources, k, config_.chain, out);
     }
 
     bool readable(const Request& r) const {
@@ -932,6 +952,29 @@ private:
         lookup_from(r.index, r, after.data(), after.size(), probe, k, global, out);
     }
 
+    // lookup_outcome for several outcomes of one request, drafted together.
+    void lookup_outcomes(const Request& r, const Tokens& tokens, int64_t begin, const OutcomeOut* outcomes, size_t n,
+                         int32_t k, Automaton* global, Prefetched* found) const {
+        thread_local std::vector<std::vector<SourceMatch>> sources;
+        thread_local std::vector<int32_t> ks;
+        thread_local std::vector<DraftOut*> outs;
+        thread_local Tokens after;
+        thread_local LookState probe;
+        sources.resize(n);
+        ks.assign(n, k);
+        outs.clear();
+        for (size_t i = 0; i < n; ++i) {
+            after.assign(tokens.begin() + begin, tokens.begin() + begin + outcomes[i].accepted);
+            after.push_back(outcomes[i].token);
+            probe = r.ls;
+            probe.behind = after;
+            if (r.ls.global) probe.global_behind.insert(probe.global_behind.end(), after.begin(), after.end());
+            sources_of(r.index, r, after.data(), after.size(), probe, global, sources[i]);
+            outs.push_back(&found[i].draft);
+        }
+        chains(sources, ks.data(), outs.data(), n, config_.chain);
+    }
+
     void run_prefetch(const std::vector<Request*>& reqs, const Tokens& tokens, const std::vector<int64_t>& offsets,
                       const std::vector<double>& probs, int32_t k) {
         const AllocateConfig& alloc = prefetch_.allocate;
@@ -953,10 +996,17 @@ private:
                 predict_row(r, tokens, offsets[rows[n]], offsets[rows[n] + 1], probs, global, candidates[0]);
                 allocate(candidates, {r.handle}, alloc, chosen);
                 const int64_t t1 = now_ns();
-                for (const auto& o : chosen[0]) {
+                // A few lookups at a time, their cache misses overlapped (a cancel waits for one group).
+                constexpr size_t kGroup = 4;
+                const std::vector<OutcomeOut>& outcomes = chosen[0];
+                found[n].reserve(outcomes.size());
+                for (size_t g = 0; g < outcomes.size(); g += kGroup) {
                     if (cancel_.load(std::memory_order_relaxed)) break;
-                    found[n].push_back(Prefetched{rows[n], o, DraftOut{}, Stamp{}});
-                    lookup_outcome(r, tokens, offsets[rows[n]], o, k, global, found[n].back().draft);
+                    const size_t group = std::min(kGroup, outcomes.size() - g);
+                    for (size_t o = g; o < g + group; ++o)
+                        found[n].push_back(Prefetched{rows[n], outcomes[o], DraftOut{}, Stamp{}});
+                    lookup_outcomes(r, tokens, offsets[rows[n]], outcomes.data() + g, group, k, global,
+                                    found[n].data() + g);
                 }
                 plan_ns += t1 - t0;
                 lookup_ns += now_ns() - t1;

@@ -58,110 +58,373 @@ struct SourceMatch {
 // ``levels`` suffix levels with continuations and at least ``min_length`` tokens are read,
 // Witten-Bell interpolated; each level's ``limit`` most frequent continuations are the candidates,
 // each scored exactly over every level read.
+//
+// The same sums in the same order as the reference, with fewer lookups: the counts a level's
+// ranking read are reused, and since a token that continues a state in a suffix automaton also
+// continues its suffix link, within one index the levels that know a candidate are the shortest
+// ones read (each candidate's levels are scanned from the shortest until one does not know it).
+class Estimator {
+public:
+    void estimate(const SourceMatch* sources, size_t num_sources, int32_t levels, int32_t limit, int32_t exclude,
+                  int32_t min_length, double floor, std::vector<std::pair<double, int32_t>>& out) {
+        read_.clear();
+        candidates_.clear();
+        entries_.clear();
+        out.clear();
+        source_begin_.resize(num_sources + 1);
+        if (++stamp_ == 0) {  // the table's stamps wrapped: forget every entry
+            for (Slot& slot : slots_) slot.stamp = 0;
+            stamp_ = 1;
+        }
+        const size_t most = static_cast<size_t>(std::max(1, limit)) * static_cast<size_t>(std::max(1, levels)) *
+                            std::max<size_t>(1, num_sources);
+        if (slots_.size() < 2 * most) {
+            size_t size = 16;
+            while (size < 2 * most) size *= 2;
+            slots_.assign(size, Slot{0, 0, 0});
+            stamp_ = 1;
+        }
+        double mass = 1.0;
+        for (size_t si = 0; si < num_sources; ++si) {
+            source_begin_[si] = static_cast<int32_t>(read_.size());
+            const Automaton& a = *sources[si].index;
+            if (sources[si].match.matched < min_length) continue;
+            int32_t state = sources[si].match.state;
+            int32_t used = 0;
+            while (used < levels && mass > floor && a[state].length >= min_length) {
+                const Automaton::State& s = a[state];
+                const int32_t distinct = a.num_children(state);
+                if (distinct) {
+                    used += 1;
+                    int64_t norm = static_cast<int64_t>(s.followed) + distinct;
+                    if (exclude >= 0) {
+                        const int32_t rejected = a.child(state, exclude);
+                        if (rejected >= 0) norm -= a[rejected].count;  // the level's estimate given "not exclude"
+                    }
+                    read_.push_back(Level{state, static_cast<int32_t>(entries_.size()), 0, mass / static_cast<double>(norm)});
+                    if (limit == 1 && s.best_token != exclude) {
+                        entries_.emplace_back(s.best_token, a[s.best_state].count);
+                        add(s.best_token);
+                    } else {
+                        a.ranked(state, static_cast<size_t>(limit) + 1, ranked_);
+                        entries_.insert(entries_.end(), ranked_.begin(), ranked_.end());
+                        int32_t taken = 0;
+                        for (const auto& tc : ranked_) {
+                            if (tc.first == exclude) continue;
+                            if (taken++ >= limit) break;
+                            add(tc.first);
+                        }
+                    }
+                    read_.back().entries_end = static_cast<int32_t>(entries_.size());
+                    mass *= static_cast<double>(distinct) / static_cast<double>(norm);
+                }
+                if (state == ROOT) break;
+                state = s.link;
+            }
+        }
+        source_begin_[num_sources] = static_cast<int32_t>(read_.size());
+        // The counts the rankings read, per (candidate, level); -1: not read.
+        const size_t num_levels = read_.size();
+        known_.assign(candidates_.size() * num_levels, -1);
+        for (size_t lv = 0; lv < num_levels; ++lv)
+            for (int32_t e = read_[lv].entries_begin; e < read_[lv].entries_end; ++e) {
+                const int32_t c = find(entries_[e].first);
+                if (c >= 0) known_[static_cast<size_t>(c) * num_levels + lv] = entries_[e].second;
+            }
+        counts_.resize(num_levels);
+        estimates_.clear();
+        for (size_t c = 0; c < candidates_.size(); ++c) {
+            const int32_t token = candidates_[c];
+            const int32_t* known = known_.data() + c * num_levels;
+            double p = 0.0;
+            for (size_t si = 0; si < num_sources; ++si) {
+                const Automaton& a = *sources[si].index;
+                const int32_t begin = source_begin_[si], end = source_begin_[si + 1];
+                int32_t first = end;
+                for (int32_t lv = end - 1; lv >= begin; --lv) {
+                    int32_t count = known[lv];
+                    if (count < 0) {
+                        const int32_t kid = a.child(read_[lv].state, token);
+                        if (kid < 0) break;
+                        count = a[kid].count;
+                    }
+                    counts_[lv] = count;
+                    first = lv;
+                }
+                for (int32_t lv = first; lv < end; ++lv) p += read_[lv].scale * static_cast<double>(counts_[lv]);
+            }
+            estimates_.emplace_back(p, token);
+        }
+        if (limit == 1) {  // the first of the largest
+            int32_t top = -1;
+            double top_p = floor;
+            for (const auto& pt : estimates_)
+                if (pt.first > top_p) {
+                    top = pt.second;
+                    top_p = pt.first;
+                }
+            if (top >= 0) out.emplace_back(top_p, top);
+            return;
+        }
+        for (const auto& pt : estimates_)
+            if (pt.first > floor) out.push_back(pt);
+        std::stable_sort(out.begin(), out.end(),
+                         [](const std::pair<double, int32_t>& x, const std::pair<double, int32_t>& y) {
+                             return x.first > y.first;
+                         });
+        if (static_cast<int32_t>(out.size()) > limit) out.resize(limit);
+    }
+
+private:
+    struct Level {
+        int32_t state;
+        int32_t entries_begin, entries_end;  // its ranking's (token, count) in entries_
+        double scale;                        // the level's mass per occurrence
+    };
+    struct Slot {
+        uint32_t stamp;
+        int32_t token, candidate;
+    };
+    std::vector<Level> read_;
+    std::vector<int32_t> source_begin_;
+    std::vector<int32_t> candidates_;  // in the order first met (the reference's dict)
+    std::vector<std::pair<int32_t, int32_t>> entries_, ranked_;
+    std::vector<int32_t> known_, counts_;
+    std::vector<Slot> slots_;  // token -> candidate, valid where stamp == stamp_
+    uint32_t stamp_ = 0;
+    std::vector<std::pair<double, int32_t>> estimates_;
+
+    int32_t find(int32_t token) const {
+        const size_t mask = slots_.size() - 1;
+        for (size_t at = (static_cast<uint32_t>(token) * 2654435761u) & mask;; at = (at + 1) & mask) {
+            const Slot& slot = slots_[at];
+            if (slot.stamp != stamp_) return -1;
+            if (slot.token == token) return slot.candidate;
+        }
+    }
+
+    void add(int32_t token) {
+        const size_t mask = slots_.size() - 1;
+        for (size_t at = (static_cast<uint32_t>(token) * 2654435761u) & mask;; at = (at + 1) & mask) {
+            Slot& slot = slots_[at];
+            if (slot.stamp != stamp_) {
+                slot = Slot{stamp_, token, static_cast<int32_t>(candidates_.size())};
+                candidates_.push_back(token);
+                return;
+            }
+            if (slot.token == token) return;
+        }
+    }
+};
+
 inline void continuation_estimates(const SourceMatch* sources, size_t num_sources, int32_t levels, int32_t limit,
                                    int32_t exclude, int32_t min_length, double floor,
                                    std::vector<std::pair<double, int32_t>>& out) {
-    struct Level {
-        const Automaton* index;
-        int32_t state;
-        double scale;  // the level's mass per occurrence
-    };
-    thread_local std::vector<Level> read;
-    thread_local std::vector<int32_t> candidates;  // in the order first met (the reference's dict)
-    thread_local std::vector<std::pair<int32_t, int32_t>> ranked;
-    read.clear();
-    candidates.clear();
-    out.clear();
-    auto add = [](int32_t token) {
-        for (int32_t c : candidates)
-            if (c == token) return;
-        candidates.push_back(token);
-    };
-    double mass = 1.0;
-    for (size_t si = 0; si < num_sources; ++si) {
-        const Automaton& a = *sources[si].index;
-        if (sources[si].match.matched < min_length) continue;
-        int32_t state = sources[si].match.state;
-        int32_t used = 0;
-        while (used < levels && mass > floor && a[state].length >= min_length) {
-            const Automaton::State& s = a[state];
-            const int32_t distinct = a.num_children(state);
-            if (distinct) {
-                used += 1;
-                int64_t norm = static_cast<int64_t>(s.followed) + distinct;
-                if (exclude >= 0) {
-                    const int32_t rejected = a.child(state, exclude);
-                    if (rejected >= 0) norm -= a[rejected].count;  // the level's estimate given "not exclude"
-                }
-                read.push_back(Level{&a, state, mass / static_cast<double>(norm)});
-                if (limit == 1 && s.best_token != exclude) {
-                    add(s.best_token);
-                } else {
-                    a.ranked(state, static_cast<size_t>(limit) + 1, ranked);
-                    int32_t taken = 0;
-                    for (const auto& tc : ranked) {
-                        if (tc.first == exclude) continue;
-                        if (taken++ >= limit) break;
-                        add(tc.first);
-                    }
-                }
-                mass *= static_cast<double>(distinct) / static_cast<double>(norm);
-            }
-            if (state == ROOT) break;
-            state = s.link;
-        }
-    }
-    thread_local std::vector<std::pair<double, int32_t>> estimates;
-    estimates.clear();
-    for (int32_t token : candidates) {
-        double p = 0.0;
-        for (const Level& level : read) {
-            const int32_t child = level.index->child(level.state, token);
-            if (child >= 0) p += level.scale * static_cast<double>((*level.index)[child].count);
-        }
-        estimates.emplace_back(p, token);
-    }
-    if (limit == 1) {  // the first of the largest
-        int32_t top = -1;
-        double top_p = floor;
-        for (const auto& pt : estimates)
-            if (pt.first > top_p) {
-                top = pt.second;
-                top_p = pt.first;
-            }
-        if (top >= 0) out.emplace_back(top_p, top);
-        return;
-    }
-    for (const auto& pt : estimates)
-        if (pt.first > floor) out.push_back(pt);
-    std::stable_sort(out.begin(), out.end(), [](const std::pair<double, int32_t>& x, const std::pair<double, int32_t>& y) {
-        return x.first > y.first;
-    });
-    if (static_cast<int32_t>(out.size()) > limit) out.resize(limit);
+    thread_local Estimator estimator;
+    estimator.estimate(sources, num_sources, levels, limit, exclude, min_length, floor, out);
 }
 
 inline void step_sources(std::vector<SourceMatch>& at, int32_t token) {
     for (SourceMatch& s : at) s.match = s.index->step(s.match, token);
 }
 
-// tree.extend_path: up to ``room`` more tokens, the likeliest each time, until a stop token, no
-// evidence, or a path probability below min_confidence.
-inline void extend_path(std::vector<SourceMatch> at, double path_prob, int32_t room, const ChainConfig& config,
-                        std::vector<int32_t>& tokens, std::vector<double>& probs) {
-    thread_local std::vector<std::pair<double, int32_t>> top;
-    int32_t added = 0;
-    while (added < room) {
-        continuation_estimates(at.data(), at.size(), config.levels, 1, -1, config.min_match, 0.0, top);
-        if (top.empty()) break;
-        const double p = top[0].first;
-        const int32_t token = top[0].second;
-        path_prob *= p;
-        if (path_prob < config.min_confidence) break;
-        tokens.push_back(token);
-        probs.push_back(p);
-        ++added;
-        if (config.is_stop(token) || added >= room) break;
-        step_sources(at, token);
+// continuation_estimates with limit 1, no exclusion and no floor (the chain's greedy step), and
+// the match states after the chosen token. Same levels, same candidates, the same floating-point
+// sum in the same order; fewer lookups, because in a suffix automaton a token that continues a
+// state continues its suffix link too: within one index the levels that know a candidate are the
+// shortest ones read, so each candidate's levels are scanned from the shortest until one does not
+// know it, and the longest that does is where Automaton::step would find it.
+class GreedyStep {
+public:
+    // Whether there is a likeliest next token; then token(), probability() and advance().
+    bool choose(const SourceMatch* sources, size_t num_sources, int32_t levels, int32_t min_length) {
+        read_.clear();
+        candidates_.clear();
+        ranges_.resize(num_sources);
+        double mass = 1.0;
+        for (size_t si = 0; si < num_sources; ++si) {
+            const Automaton& a = *sources[si].index;
+            Range& range = ranges_[si];
+            range.begin = range.end = static_cast<int32_t>(read_.size());
+            range.first = -1;
+            if (sources[si].match.matched < min_length) continue;
+            int32_t state = sources[si].match.state;
+            int32_t used = 0;
+            while (used < levels && mass > 0.0 && a[state].length >= min_length) {
+                const Automaton::State& s = a[state];
+                const int32_t distinct = a.num_children(state);
+                if (distinct) {
+                    used += 1;
+                    const int64_t norm = static_cast<int64_t>(s.followed) + distinct;
+                    read_.push_back(Level{state, s.best_token, s.best_state, mass / static_cast<double>(norm)});
+                    add(s.best_token);
+                    mass *= static_cast<double>(distinct) / static_cast<double>(norm);
+                }
+                if (state == ROOT) break;
+                state = s.link;
+            }
+            range.end = static_cast<int32_t>(read_.size());
+        }
+        token_ = -1;
+        double top_p = 0.0;
+        kids_.resize(read_.size());
+        firsts_.resize(num_sources);
+        for (int32_t token : candidates_) {
+            double p = 0.0;
+            for (size_t si = 0; si < num_sources; ++si) {
+                const Automaton& a = *sources[si].index;
+                const Range& range = ranges_[si];
+                int32_t first = range.end;
+                for (int32_t lv = range.end - 1; lv >= range.begin; --lv) {
+                    const Level& level = read_[lv];
+                    const int32_t kid = level.best_token == token ? level.best_state : a.child(level.state, token);
+                    if (kid < 0) break;
+                    kids_[lv] = kid;
+                    first = lv;
+                }
+                for (int32_t lv = first; lv < range.end; ++lv)
+                    p += read_[lv].scale * static_cast<double>(a[kids_[lv]].count);
+                firsts_[si] = first;
+            }
+            if (p > top_p) {  // the first of the largest
+                token_ = token;
+                top_p = p;
+                for (size_t si = 0; si < num_sources; ++si) {
+                    Range& range = ranges_[si];
+                    range.first = firsts_[si];
+                    range.kid = firsts_[si] < range.end ? kids_[firsts_[si]] : -1;
+                }
+            }
+        }
+        probability_ = top_p;
+        return token_ >= 0;
+    }
+
+    int32_t token() const { return token_; }
+    double probability() const { return probability_; }
+
+    // Each source's match after the chosen token (Automaton::step, from what choose() found).
+    void advance(SourceMatch* sources, size_t num_sources) const {
+        for (size_t si = 0; si < num_sources; ++si) {
+            SourceMatch& s = sources[si];
+            const Range& range = ranges_[si];
+            if (range.first < range.end) {
+                const int32_t state = read_[range.first].state;
+                const int32_t matched = state == s.match.state ? s.match.matched : (*s.index)[state].length;
+                s.match = Match{range.kid, matched + 1};
+            } else {
+                s.match = s.index->step(s.match, token_);
+            }
+        }
+    }
+
+private:
+    struct Level {
+        int32_t state, best_token, best_state;
+        double scale;  // the level's mass per occurrence
+    };
+    struct Range {
+        int32_t begin, end;  // the source's levels in read_, longest first
+        int32_t first;       // the chosen token's longest level in the source (end: none)
+        int32_t kid;         // its child there
+    };
+    std::vector<Level> read_;
+    std::vector<Range> ranges_;
+    std::vector<int32_t> candidates_;  // in the order first met
+    std::vector<int32_t> kids_;        // per level: the candidate's child (where it is known)
+    std::vector<int32_t> firsts_;
+    int32_t token_ = -1;
+    double probability_ = 0.0;
+
+    void add(int32_t token) {
+        for (int32_t c : candidates_)
+            if (c == token) return;
+        candidates_.push_back(token);
+    }
+};
+
+// One path of tree.extend_path: up to ``room`` more tokens, the likeliest each time, until a stop
+// token, no evidence, or a path probability below min_confidence.
+struct PathJob {
+    std::vector<SourceMatch> at;  // the match states where the path is now
+    double path_prob;
+    int32_t room, added;
+    std::vector<int32_t>* tokens;
+    std::vector<double>* probs;
+};
+
+// The path's next token; whether the path goes on.
+inline bool extend_once(PathJob& job, GreedyStep& greedy, const ChainConfig& config) {
+    if (job.added >= job.room) return false;
+    if (!greedy.choose(job.at.data(), job.at.size(), config.levels, config.min_match)) return false;
+    const double p = greedy.probability();
+    const int32_t token = greedy.token();
+    job.path_prob *= p;
+    if (job.path_prob < config.min_confidence) return false;
+    job.tokens->push_back(token);
+    job.probs->push_back(p);
+    ++job.added;
+    if (config.is_stop(token) || job.added >= job.room) return false;
+    greedy.advance(job.at.data(), job.at.size());
+    return true;
+}
+
+// Cache hints for the next token of several paths: the suffix-link chains the estimates will read,
+// walked one level at a time across all paths, so that their cache misses overlap.
+inline void prefetch_levels(const std::vector<PathJob>& jobs, const std::vector<int32_t>& active, int32_t levels) {
+    struct Cursor {
+        const Automaton* index;
+        int32_t state;
+    };
+    thread_local std::vector<Cursor> cursors;
+    thread_local std::vector<std::pair<const Automaton*, int32_t>> listed;  // states with kid lists
+    cursors.clear();
+    listed.clear();
+    for (int32_t j : active)
+        for (const SourceMatch& s : jobs[j].at) {
+            s.index->prefetch_state(s.match.state);
+            cursors.push_back(Cursor{s.index, s.match.state});
+        }
+    for (int32_t level = 0; level <= levels; ++level)
+        for (Cursor& c : cursors) {
+            if (c.state < 0) continue;
+            const Automaton::State& s = (*c.index)[c.state];
+            c.index->prefetch_kids(s);
+            if (s.kids >= 0) listed.emplace_back(c.index, c.state);
+            c.state = c.state == ROOT ? -1 : s.link;
+            if (c.state >= 0) c.index->prefetch_state(c.state);
+        }
+    for (const auto& l : listed) l.first->prefetch_items((*l.first)[l.second]);
+}
+
+// Several paths at once, one token of each in turn (each path's tokens are what extend_path
+// gives it alone): the rows of a batch overlap their cache misses.
+inline void extend_paths(std::vector<PathJob>& jobs, const ChainConfig& config) {
+    thread_local GreedyStep greedy;
+    thread_local std::vector<int32_t> active;
+    active.clear();
+    for (size_t j = 0; j < jobs.size(); ++j)
+        if (jobs[j].room > 0) active.push_back(static_cast<int32_t>(j));
+    while (!active.empty()) {
+        if (active.size() > 1) prefetch_levels(jobs, active, config.levels);
+        size_t kept = 0;
+        for (int32_t j : active)
+            if (extend_once(jobs[j], greedy, config)) active[kept++] = j;
+        active.resize(kept);
+    }
+}
+
+inline void extend_path(const std::vector<SourceMatch>& start, double path_prob, int32_t room,
+                        const ChainConfig& config, std::vector<int32_t>& tokens, std::vector<double>& probs) {
+    thread_local GreedyStep greedy;
+    thread_local PathJob job;
+    job.at.assign(start.begin(), start.end());
+    job.path_prob = path_prob;
+    job.room = room;
+    job.added = 0;
+    job.tokens = &tokens;
+    job.probs = &probs;
+    while (extend_once(job, greedy, config)) {
     }
 }
 
@@ -290,6 +553,34 @@ inline void chain(const std::vector<SourceMatch>& sources, int32_t k, const Chai
                         k - static_cast<int32_t>(out.tokens.size()), config, out.tokens, out.probs);
     }
     if (!out.tokens.empty()) out.source = source_of(sources[0], out.tokens[0], config);
+}
+
+// chain for several drafts at once (the same drafts as chain for each).
+inline void chains(const std::vector<std::vector<SourceMatch>>& sources, const int32_t* ks, DraftOut* const* outs,
+                   size_t n, const ChainConfig& config) {
+    if (config.path_width != 1) {
+        for (size_t i = 0; i < n; ++i) chain(sources[i], ks[i], config, *outs[i]);
+        return;
+    }
+    thread_local std::vector<PathJob> jobs;
+    jobs.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+        DraftOut& out = *outs[i];
+        out.clear();
+        out.matched = sources[i][0].match.matched;
+        PathJob& job = jobs[i];
+        job.at.assign(sources[i].begin(), sources[i].end());
+        job.path_prob = 1.0;
+        job.room = ks[i];
+        job.added = 0;
+        job.tokens = &out.tokens;
+        job.probs = &out.probs;
+    }
+    extend_paths(jobs, config);
+    for (size_t i = 0; i < n; ++i) {
+        DraftOut& out = *outs[i];
+        if (!out.tokens.empty()) out.source = source_of(sources[i][0], out.tokens[0], config);
+    }
 }
 
 struct OutcomeOut {
