@@ -944,12 +944,21 @@ private:
     // The draft the next step makes for the request if it commits draft[:j] + [b] (ReferenceCore._committed).
     void lookup_outcome(const Request& r, const Tokens& tokens, int64_t begin, const OutcomeOut& outcome, int32_t k,
                         Automaton* global, DraftOut& out) const {
-        Tokens after(tokens.begin() + begin, tokens.begin() + begin + outcome.accepted);
+        Tokens after;
+        LookState probe;
+        outcome_probe(r, tokens, begin, outcome, after, probe);
+        lookup_from(r.index, r, after.data(), after.size(), probe, k, global, out);
+    }
+
+    // The tokens a row commits at ``outcome`` (its draft's first j, then b) and the match state
+    // that would follow them, for a lookup that changes nothing.
+    static void outcome_probe(const Request& r, const Tokens& tokens, int64_t begin, const OutcomeOut& outcome,
+                              Tokens& after, LookState& probe) {
+        after.assign(tokens.begin() + begin, tokens.begin() + begin + outcome.accepted);
         after.push_back(outcome.token);
-        LookState probe = r.ls;
+        probe = r.ls;
         probe.behind = after;
         if (r.ls.global) probe.global_behind.insert(probe.global_behind.end(), after.begin(), after.end());
-        lookup_from(r.index, r, after.data(), after.size(), probe, k, global, out);
     }
 
     // lookup_outcome for several outcomes of one request, drafted together.
@@ -964,11 +973,7 @@ private:
         ks.assign(n, k);
         outs.clear();
         for (size_t i = 0; i < n; ++i) {
-            after.assign(tokens.begin() + begin, tokens.begin() + begin + outcomes[i].accepted);
-            after.push_back(outcomes[i].token);
-            probe = r.ls;
-            probe.behind = after;
-            if (r.ls.global) probe.global_behind.insert(probe.global_behind.end(), after.begin(), after.end());
+            outcome_probe(r, tokens, begin, outcomes[i], after, probe);
             sources_of(r.index, r, after.data(), after.size(), probe, global, sources[i]);
             outs.push_back(&found[i].draft);
         }
