@@ -177,15 +177,15 @@ class NgramRLProposer:
         # pay for it too (``_lookups_pay``).
         self._own_per_row: list[float | None] = [None, None]
         self._lookup_per_row: tuple[float, float] | None = None
-        # The last batch's request ids with the length of the draft each row was sent; and a batch's
-        # drafting states (the source's: core handles, or the pool's requests) with whether each row has one: a
-        # steady decode batch is the same from step to step, and touching each row's objects after
-        # a forward has flushed the caches is what per-row code costs.
-        self._sent: tuple[tuple[str, ...], np.ndarray] = ((), np.zeros(0, dtype=np.int64))
+        # The last batch's request ids with the length of the draft each of its rows was sent; and a
+        # batch's drafting states (the source's: core handles, or the pool's requests) with whether
+        # each row has one: a steady decode batch is the same from step to step, and touching each
+        # row's objects after a forward has flushed the caches is what per-row code costs.
+        self._last_batch: tuple[str, ...] = ()
+        self._sent_lengths = np.zeros(0, dtype=np.int64)
         self._batch_states: tuple[tuple[str, ...], Any, np.ndarray] | None = None
         self._verified_tokens = 0               # draft tokens the last step's forward verified
         self._step_started: float | None = None
-        self._last_batch: tuple[str, ...] = ()
         # Lookups back off while the cost model keeps nothing: after the n-th lookup step in a
         # row that kept no token, the next 2^n - 1 steps (at most explore_every) make none; a
         # step that keeps tokens, or a batch half the size, ends it.
@@ -202,7 +202,6 @@ class NgramRLProposer:
         self._resume: tuple[int, int] | None = None
         self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch,
                                                              *_forward_resources(vllm_config))
-        self._looked_up = False
         self.source: DraftSource = self._make_source()
         self.core: Any = self.source.core  # the drafting core, where drafts are made in this process
 
@@ -259,6 +258,7 @@ class NgramRLProposer:
         # prefill, and the gap before a new generate call is idle time.
         if self._step_started is not None and batch == self._last_batch:
             self.cost.observe(len(batch), self._verified_tokens, begin / 1e9 - self._step_started)
+        verified_before = self._sent_before(batch)
         self._last_batch = batch
         self.source.begin_step()
         self._retire(runner.requests)
@@ -266,7 +266,7 @@ class NgramRLProposer:
         committed = np.diff(rows.offsets)
         self.stats.row_steps += len(rows)
         self.stats.committed_tokens += int(committed.sum())
-        verified = self._sent_before(batch)[rows.index]
+        verified = verified_before[rows.index]
         accepted = int((committed[verified > 0] - 1).sum())  # the token after the accepted ones is the target's
         self.stats.accepted_tokens += accepted
         self._delivered[0] += accepted
@@ -280,7 +280,7 @@ class NgramRLProposer:
         looked = self._looks_up(self.stats.steps, len(rows))
         if not looked:
             rows.ks[:] = 0  # no draft could pay for its verification now: skip the lookups
-        self._looked_up = bool(len(rows)) and bool(np.any(rows.ks > 0))
+        looked_up = bool(len(rows)) and bool(np.any(rows.ks > 0))
         made = self.source.draft(rows) if len(rows) else DraftBatch.from_drafts([])
         self.stats.prefetch_hits += int(made.prefetched.sum())
         lengths, expected, paid = self._lengths(made, exploring)
@@ -297,9 +297,8 @@ class NgramRLProposer:
         self.stats.invalid_tokens += int((kept - valid).sum())
         sent = made.truncated(valid)
         drafting = np.flatnonzero(valid)
-        sent_lengths = np.zeros(len(batch), dtype=np.int64)
-        sent_lengths[rows.index] = valid
-        self._sent = (batch, sent_lengths)
+        self._sent_lengths = np.zeros(len(batch), dtype=np.int64)
+        self._sent_lengths[rows.index] = valid
         self.stats.drafts += len(drafting)
         self.stats.drafted_tokens += int(valid.sum())
         self._verified_tokens = int(valid.sum())  # draft tokens the next forward verifies
@@ -307,7 +306,7 @@ class NgramRLProposer:
         tokens, offsets = sent.tokens.tolist(), sent.offsets.tolist()
         for i in drafting.tolist():
             drafts[int(rows.index[i])] = tokens[offsets[i]:offsets[i + 1]]
-        self.source.end_step(rows, sent, self._looked_up, self._prefetches_next(len(rows)))
+        self.source.end_step(rows, sent, looked_up, self._prefetches_next(len(rows)))
         self.stats.steps += 1
         end = self.clock()
         if len(rows):
@@ -358,10 +357,9 @@ class NgramRLProposer:
 
     def _sent_before(self, batch: tuple[str, ...]) -> np.ndarray:
         """The length of the draft each row of ``batch`` was sent for verification last step (0: none)."""
-        last, lengths = self._sent
-        if last == batch:
-            return lengths
-        position = dict(zip(last, lengths.tolist(), strict=True))
+        if self._last_batch == batch:
+            return self._sent_lengths
+        position = dict(zip(self._last_batch, self._sent_lengths.tolist(), strict=True))
         return np.fromiter((position.get(req_id, 0) for req_id in batch), np.int64, len(batch))
 
     def _exploring(self, step: int) -> bool:
