@@ -205,8 +205,6 @@ class PoolSource:
         self.step_refs, self.prefetch_refs = [], []
 
     def draft(self, rows: StepRows) -> DraftBatch:
-        for i, req_id in enumerate(rows.req_ids):
-            self.follower.committed(req_id, rows.sampled(i))
         drafts: list[Draft] = [EMPTY] * len(rows)
         prefetched = [False] * len(rows)
         items: dict[int, list[StepItem]] = {}
@@ -214,6 +212,7 @@ class PoolSource:
         for i, request in enumerate(rows.requests):
             request: PoolRequest
             committed = rows.sampled(i)
+            self.follower.committed(request.req_id, committed)
             k = int(rows.ks[i])
             ready = None
             if k > 0:
