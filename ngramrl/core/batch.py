@@ -162,6 +162,13 @@ def as_rows(handles: Any, tokens: Any, offsets: Any, ks: Any | None = None) -> t
     return handles, tokens, offsets, ks
 
 
+def arrival_order(handles: np.ndarray) -> list[int]:
+    """The rows in the order their requests started (handles rise with it). Whatever changes the
+    history goes in this order, so a step's drafts do not depend on the order of its rows (an
+    engine's batch order is its own: vLLM moves rows when requests finish)."""
+    return np.argsort(handles, kind="stable").tolist()
+
+
 class ReferenceCore:
     """The batch interface over the pure-Python drafter, one row after the other."""
 
@@ -264,29 +271,28 @@ class ReferenceCore:
         handles, tokens, offsets, ks = as_rows(handles, tokens, offsets, ks)
         requests = [self._request(h) for h in handles]
         drafter = self.drafter
+        order = arrival_order(handles)
         if self.follower is not None:
-            for i, handle in enumerate(handles.tolist()):
-                self.follower.committed(handle, tokens[offsets[i]:offsets[i + 1]].tolist())
+            for i in order:
+                self.follower.committed(int(handles[i]), tokens[offsets[i]:offsets[i + 1]].tolist())
         if np.any(ks > 0):
-            for request in requests:
-                drafter.absorb(request)
-        drafts, hits = [], []
-        for i, request in enumerate(requests):
+            for i in order:
+                drafter.absorb(requests[i])
+        drafts, hits = [EMPTY] * len(requests), [False] * len(requests)
+        for i in order:
+            request = requests[i]
             committed = tokens[offsets[i]:offsets[i + 1]].tolist()
             k = int(ks[i])
             if k <= 0:
                 drafter.defer(request, committed)
-                drafts.append(EMPTY)
-                hits.append(False)
                 continue
             drafter.commit(request, committed)
             ready = self._cache.get((int(handles[i]), len(committed) - 1, committed[-1])) if committed else None
             if ready is not None and request.known and ready[1] == self._stamp(request):
-                drafts.append(ready[0].truncated(k))
-                hits.append(True)
+                drafts[i] = ready[0].truncated(k)
+                hits[i] = True
             else:
-                drafts.append(drafter.lookup(request, k))
-                hits.append(False)
+                drafts[i] = drafter.lookup(request, k)
         self._cache = {}
         if self.follower is not None:
             for handle, k, draft in zip(handles.tolist(), ks.tolist(), drafts, strict=True):
@@ -299,8 +305,9 @@ class ReferenceCore:
         return (self.follower.resolved, self.follower.accepted) if self.follower is not None else (0, 0)
 
     def absorb(self, handles: Any, now: bool = False) -> None:
-        for handle in np.asarray(handles, dtype=np.int64).reshape(-1):
-            self.drafter.absorb(self._request(handle))
+        handles = np.asarray(handles, dtype=np.int64).reshape(-1)
+        for i in arrival_order(handles):
+            self.drafter.absorb(self._request(handles[i]))
 
     def lookup_context(self, prompt_id: str, prompt: Any, output: Any, k: int) -> Draft:
         """The draft after ``output`` from the current history, changing nothing but an index

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
-from ngramrl.core.batch import SOURCES, DraftBatch, OutcomeBatch, as_rows, checked_fit
+from ngramrl.core.batch import SOURCES, DraftBatch, OutcomeBatch, checked_fit
 from ngramrl.core.drafter import Draft
 
 
@@ -111,7 +111,8 @@ class NativeCore:
     # -- steps -----------------------------------------------------------------------------
 
     def step(self, handles: Any, tokens: Any, offsets: Any, ks: Any) -> DraftBatch:
-        return DraftBatch(*self._core.step(*as_rows(handles, tokens, offsets, ks)))
+        # The core checks the rows (as ``as_rows`` does) in one pass, before it changes anything.
+        return DraftBatch(*self._core.step(handles, tokens, offsets, ks))
 
     def absorb(self, handles: Any, now: bool = False) -> None:
         """The rows' committed tokens enter the index: in the background (``now``: before returning)."""
@@ -123,10 +124,6 @@ class NativeCore:
         return Draft(tokens, probs, matched, SOURCES[source])
 
     def prefetch(self, handles: Any, tokens: Any, offsets: Any, probs: Any, k: int, absorb: Any = ()) -> None:
-        handles, tokens, offsets = as_rows(handles, tokens, offsets)
-        probs = np.ascontiguousarray(probs, dtype=np.float64).reshape(-1)
-        if len(probs) != len(tokens):
-            raise ValueError(f"{len(probs)} probabilities for {len(tokens)} draft tokens")
         self._core.prefetch(handles, tokens, offsets, probs, int(k), np.ascontiguousarray(absorb, dtype=np.int64))
 
     def wait_idle(self, seconds: float) -> bool:

@@ -168,6 +168,11 @@ class NgramRLProposer:
         self.runner: Any = None
         self.requests: dict[str, Any] = {}  # the drafting state of each request; None: no prompt id
         self.epochs: dict[str, int] = {}
+        # Each request's rank in the order the requests came: the source sees a step's rows in that
+        # order, so the drafts do not depend on the engine's batch order (vLLM moves rows into the
+        # places of finished requests, and the history's insertion order decides ties).
+        self._arrival: dict[str, int] = {}
+        self._arrivals = 0
         self.stats = ProposerStats()
         self._delivered = [0.0, 0.0]  # accepted vs expected verified draft tokens, recent steps weigh more
         self.cost = StepCostModel(self.config.engine.cost_decay, refit_every=COST_REFIT_EVERY)
@@ -183,7 +188,7 @@ class NgramRLProposer:
         # row's objects after a forward has flushed the caches is what per-row code costs.
         self._last_batch: tuple[str, ...] = ()
         self._sent_lengths = np.zeros(0, dtype=np.int64)
-        self._batch_states: tuple[tuple[str, ...], Any, np.ndarray] | None = None
+        self._batch_states: tuple[tuple[str, ...], Any, np.ndarray, np.ndarray | None] | None = None
         self._verified_tokens = 0               # draft tokens the last step's forward verified
         self._step_started: float | None = None
         # Lookups back off while the cost model keeps nothing: after the n-th lookup step in a
@@ -322,10 +327,11 @@ class NgramRLProposer:
     def _rows(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]], num_tokens_no_spec: Any) -> StepRows:
         """The step's rows that commit tokens for a request with a prompt id, as arrays: one
         conversion per step, not one object per row."""
-        states, known = self._states(batch, sampled_token_ids)
+        states, known, order = self._states(batch, sampled_token_ids)
         sizes = np.fromiter(map(len, sampled_token_ids), np.int64, len(batch))
-        index = np.flatnonzero(known & (sizes > 0))
-        every = len(index) == len(batch)
+        drafting = known & (sizes > 0)
+        index = np.flatnonzero(drafting) if order is None else order[drafting[order]]
+        every = order is None and len(index) == len(batch)
         offsets = np.zeros(len(index) + 1, dtype=np.int64)
         np.cumsum(sizes[index], out=offsets[1:])
         chosen = sampled_token_ids if every else [sampled_token_ids[i] for i in index.tolist()]
@@ -338,9 +344,11 @@ class NgramRLProposer:
             requests = states[index] if isinstance(states, np.ndarray) else [states[i] for i in index.tolist()]
         return StepRows(index, req_ids, requests, tokens, offsets, np.minimum(self.k, room).astype(np.int32))
 
-    def _states(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray]:
-        """Each row's drafting state (the core's handles as an array; the pool's requests) and
-        whether it has one (a request with a prompt id). New requests are admitted here."""
+    def _states(self, batch: tuple[str, ...],
+                sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray, np.ndarray | None]:
+        """Each row's drafting state (the core's handles as an array; the pool's requests), whether
+        it has one (a request with a prompt id), and the rows in the order their requests came
+        (None: the batch's own order). New requests are admitted here."""
         if self._batch_states is not None and self._batch_states[0] == batch:
             return self._batch_states[1:]
         new = set(batch).difference(self.requests)
@@ -352,8 +360,12 @@ class NgramRLProposer:
         known = np.fromiter((state is not None for state in states), bool, len(batch))
         if self.core is not None:  # core handles are ints: one array, passed to every step as it is
             states = np.array([-1 if state is None else state for state in states], dtype=np.int64)
-        self._batch_states = (batch, states, known)
-        return states, known
+            arrival = states  # and they rise in the order the requests started
+        else:
+            arrival = np.fromiter((self._arrival[req_id] for req_id in batch), np.int64, len(batch))
+        order = None if np.all(arrival[1:] > arrival[:-1]) else np.argsort(arrival, kind="stable")
+        self._batch_states = (batch, states, known, order)
+        return states, known, order
 
     def _sent_before(self, batch: tuple[str, ...]) -> np.ndarray:
         """The length of the draft each row of ``batch`` was sent for verification last step (0: none)."""
@@ -454,6 +466,8 @@ class NgramRLProposer:
 
     def _admit(self, req_id: str, cached: Any, sampled: list[int]) -> None:
         """First sight of a request: start it as a live sequence of its prompt."""
+        self._arrival[req_id] = self._arrivals
+        self._arrivals += 1
         params = getattr(cached, "sampling_params", None) if cached is not None else None
         extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
         prompt_id = extra.get("prompt_id")
@@ -476,6 +490,7 @@ class NgramRLProposer:
         for req_id in [req_id for req_id in self.requests if req_id in gone]:
             request = self.requests.pop(req_id)
             epoch = self.epochs.pop(req_id, 0)
+            del self._arrival[req_id]
             if request is not None:
                 self.source.finish(request, epoch)
                 self.stats.finished_rollouts += 1

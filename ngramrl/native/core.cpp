@@ -12,6 +12,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -20,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <stdexcept>
 #include <thread>
 
@@ -182,6 +184,7 @@ struct Request {
     Tokens follow_tokens;
     std::vector<double> follow_probs;
     int32_t follow_matched = 0;
+    uint64_t seen_in_call = 0;  // the last checked call that named this request (each row once per call)
 };
 
 struct DrafterConfig {
@@ -388,11 +391,6 @@ public:
         return get(handle).known;
     }
 
-    void check_handles(const std::vector<int64_t>& handles) {
-        join();
-        for (int64_t h : handles) get(h);
-    }
-
     // ---- a step ---------------------------------------------------------------------------
 
     void step(const std::vector<int64_t>& handles, const Tokens& tokens, const std::vector<int64_t>& offsets,
@@ -400,20 +398,24 @@ public:
         join();
         const int64_t begin = now_ns();
         const size_t rows = handles.size();
-        std::vector<Request*> reqs(rows);
-        for (size_t i = 0; i < rows; ++i) reqs[i] = &get(handles[i]);
+        check_rows(rows, tokens.size(), offsets);
+        if (ks.size() != rows)
+            throw py::value_error("ks has " + std::to_string(ks.size()) + " entries for " + std::to_string(rows) +
+                                  " rows");
+        std::vector<Request*> reqs = rows_of(handles);
+        const std::vector<size_t> order = arrival_order(reqs);
         if (follow_)
-            for (size_t i = 0; i < rows; ++i)
+            for (const size_t i : order)
                 follow_committed(*reqs[i], tokens.data() + offsets[i], static_cast<size_t>(offsets[i + 1] - offsets[i]));
         bool any_k = false;
         for (int32_t k : ks) any_k = any_k || k > 0;
         if (any_k) absorb_rows(reqs, pool_);
-        // Commits, on this thread in row order: they may rebuild an index and touch the LRU order.
+        // Commits, on this thread in arrival order: they may rebuild an index and touch the LRU order.
         drafts_.resize(rows);
         hits_.assign(rows, 0);
         lookups_.clear();
         Tokens committed;
-        for (size_t i = 0; i < rows; ++i) {
+        for (const size_t i : order) {
             Request& r = *reqs[i];
             committed.assign(tokens.begin() + offsets[i], tokens.begin() + offsets[i + 1]);
             drafts_[i].clear();
@@ -550,8 +552,11 @@ public:
     // one wake-up of the background thread).
     void prefetch(const std::vector<int64_t>& handles, const Tokens& tokens, const std::vector<int64_t>& offsets,
                   const std::vector<double>& probs, int32_t k, const std::vector<int64_t>& absorb_first) {
-        std::vector<Request*> reqs, first;
-        for (int64_t h : handles) reqs.push_back(&get(h));
+        check_rows(handles.size(), tokens.size(), offsets);
+        if (probs.size() != tokens.size())
+            throw py::value_error(std::to_string(probs.size()) + " probabilities for " + std::to_string(tokens.size()) +
+                                  " draft tokens");
+        std::vector<Request*> reqs = rows_of(handles), first;
         for (int64_t h : absorb_first) first.push_back(&get(h));
         background_.submit([this, reqs, first, tokens, offsets, probs, k] {
             if (!first.empty()) timed_absorb(first);
@@ -671,6 +676,7 @@ private:
     const PrefetchConfig prefetch_;
     const bool follow_;  // calibrate from every draft by following the committed tokens (DraftFollower)
     int64_t followed_drafts_ = 0, followed_accepted_ = 0;
+    uint64_t checked_calls_ = 0;  // calls whose rows rows_of checked (each request notes the last that named it)
     Calibration calibration_;
     ThreadPool pool_;             // a step's work: the calling thread and threads - 1 others
     ThreadPool background_pool_;  // background work: the background thread and threads - 2 others, so
@@ -725,6 +731,30 @@ private:
     static int64_t now_ns() {
         return std::chrono::duration_cast<std::chrono::nanoseconds>(
                    std::chrono::steady_clock::now().time_since_epoch()).count();
+    }
+
+    // A call's rows, checked before anything changes: offsets that rise from 0 to the tokens given.
+    static void check_rows(size_t rows, size_t tokens, const std::vector<int64_t>& offsets) {
+        if (offsets.size() != rows + 1)
+            throw py::value_error("offsets has " + std::to_string(offsets.size()) + " entries; " +
+                                  std::to_string(rows) + " rows need " + std::to_string(rows + 1));
+        if (rows == 0) return;
+        bool rising = offsets[0] == 0 && offsets[rows] == static_cast<int64_t>(tokens);
+        for (size_t i = 0; rising && i < rows; ++i) rising = offsets[i + 1] >= offsets[i];
+        if (!rising) throw py::value_error("offsets must rise from 0 to the " + std::to_string(tokens) + " tokens given");
+    }
+
+    // The live requests the handles name, each at most once.
+    std::vector<Request*> rows_of(const std::vector<int64_t>& handles) {
+        const uint64_t call = ++checked_calls_;
+        std::vector<Request*> reqs(handles.size());
+        for (size_t i = 0; i < handles.size(); ++i) {
+            Request& r = get(handles[i]);
+            if (r.seen_in_call == call) throw py::value_error("a request handle appears twice in one step");
+            r.seen_in_call = call;
+            reqs[i] = &r;
+        }
+        return reqs;
     }
 
     Request& get(int64_t handle) {
@@ -812,11 +842,23 @@ private:
         absorb_into(r, entry);
     }
 
-    // absorb for many rows: in row order within a prompt, prompts in parallel.
+    // The rows in the order their requests started (handles rise with it). Whatever changes the
+    // history goes in this order, so a step's drafts do not depend on the order of its rows (an
+    // engine's batch order is its own: vLLM moves rows when requests finish).
+    static std::vector<size_t> arrival_order(const std::vector<Request*>& reqs) {
+        std::vector<size_t> order(reqs.size());
+        std::iota(order.begin(), order.end(), size_t{0});
+        const auto earlier = [&](size_t a, size_t b) { return reqs[a]->handle < reqs[b]->handle; };
+        if (!std::is_sorted(order.begin(), order.end(), earlier)) std::sort(order.begin(), order.end(), earlier);
+        return order;
+    }
+
+    // absorb for many rows: in arrival order within a prompt, prompts in parallel.
     void absorb_rows(const std::vector<Request*>& reqs, ThreadPool& pool) {
         std::vector<std::pair<Prompt*, std::vector<Request*>>> groups;
         std::unordered_map<Prompt*, size_t> group_of;
-        for (Request* r : reqs) {
+        for (const size_t i : arrival_order(reqs)) {
+            Request* r = reqs[i];
             if (!r->known || r->pending.empty()) continue;
             Prompt* entry = history_.find(r->prompt_id);
             if (entry == nullptr) {
@@ -1144,10 +1186,6 @@ PYBIND11_MODULE(_native, m) {
                  auto t = from_array(tokens);
                  auto o = from_array(offsets);
                  auto k = from_array(ks);
-                 {
-                     py::gil_scoped_release release;
-                     c.check_handles(h);
-                 }
                  {
                      py::gil_scoped_release release;
                      c.step(h, t, o, k);

@@ -338,6 +338,52 @@ def test_native_equals_reference_on_shipped_traces(path):
     assert trace_run(path, batch=16, limit=48, threads=2) > 20
 
 
+@pytest.mark.parametrize("native_core", [False, True], ids=["reference", "native"])
+def test_a_steps_drafts_do_not_depend_on_the_order_of_its_rows(native_core):
+    """Two cores step the same requests through the same tokens, one with each batch in the order
+    the requests came, one shuffled (an engine moves rows as requests finish): every draft is the
+    same. (Sibling samples enter their prompt's index in some order; the order decides ties.)"""
+    trace = read_trace(next(p for p in builtin_traces() if "products" in p))
+    config = (HistoryConfig(), DrafterConfig(stop_tokens=tuple(trace.header.eos_token_ids)), PrefetchConfig(budget=4))
+    ordered, shuffled = (make_core(*config, threads=2, native=native_core, follow=True) for _ in range(2))
+    for r in trace.rollouts:
+        if r.epoch == 0:
+            for core in (ordered, shuffled):
+                core.add_rollout(r.prompt_id, r.prompt, r.output, r.epoch)
+    waiting = [r for r in trace.rollouts if r.epoch in (1, 2)][:300]
+    live: dict[int, list] = {}
+    rng = random.Random(3)
+    rows = 0
+    while waiting or live:
+        while len(live) < 16 and waiting:
+            r = waiting.pop(0)
+            h = ordered.start(r.prompt_id, r.prompt, [], True)
+            assert shuffled.start(r.prompt_id, r.prompt, [], True) == h
+            live[h] = [r, 0, []]
+        committed = {}
+        for h, (r, i, draft) in live.items():
+            j = 0
+            while j < len(draft) and i + j < len(r.output) and draft[j] == r.output[i + j]:
+                j += 1
+            committed[h] = r.output[i:i + j + 1]
+            live[h][1] = i + len(committed[h])
+        drafts = []
+        for core, order in ((ordered, sorted(live)), (shuffled, rng.sample(sorted(live), len(live)))):
+            offsets = np.cumsum([0] + [len(committed[h]) for h in order])
+            made = core.step(order, [t for h in order for t in committed[h]], offsets, [8] * len(order))
+            core.absorb(order, now=True)
+            drafts.append({h: made.draft(i).tokens for i, h in enumerate(order)})
+        assert drafts[0] == drafts[1], f"after {rows} row-steps"
+        rows += len(live)
+        for h in list(live):
+            live[h][2] = drafts[0][h]
+            if live[h][1] >= len(live[h][0].output):
+                ordered.finish(h, live[h][0].epoch)
+                shuffled.finish(h, live[h][0].epoch)
+                del live[h]
+    assert rows > 1000
+
+
 def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
     import sys
     from types import SimpleNamespace

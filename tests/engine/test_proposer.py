@@ -357,3 +357,30 @@ def test_drafts_go_to_their_batch_rows_and_only_as_far_as_their_tokens_are_valid
     drafts = proposer.propose([[8], [101, 102, 103], [100], [201, 202]], lengths, None)
     assert proposer.stats.accepted_tokens == 2 + 1  # p0 accepted 2 of its 4, q0 1 of its 1
     assert drafts[1] == [100, 101, 102, 103]
+
+
+def test_the_source_sees_a_steps_rows_in_the_order_the_requests_came(monkeypatch):
+    """vLLM moves rows into the places of finished requests; the history's insertion order decides
+    the drafts' ties, so the source gets the rows in arrival order, whatever the batch order, and
+    each request gets the draft it gets in any other batch order, at its own batch row."""
+    drafts, seen = [], []
+    for order in (["a", "b", "c", "d"], ["d", "b", "a", "c"]):
+        proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0))
+        proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 102, 103] * 8, epoch=0)
+        for name in ("a", "b", "c", "d"):
+            runner.add(name, "p", [1, 2, 3])
+        draft = proposer.source.draft
+
+        def spy(rows, draft=draft):
+            seen.append(list(rows.req_ids))
+            return draft(rows)
+
+        proposer.source.draft = spy
+        step(proposer, runner, [100, 101, 102, 103])
+        runner.input_batch.req_ids[:] = order  # the batch reordered, as a finish would
+        committed = {"a": 101, "b": 102, "c": 103, "d": 100}
+        made = step(proposer, runner, [committed[name] for name in order])
+        drafts.append(dict(zip(order, made, strict=True)))
+    assert seen == [["a", "b", "c", "d"]] * 4
+    assert drafts[0] == drafts[1]
+    assert drafts[0]["a"] == [102, 103, 100, 101] and drafts[0]["d"] == [101, 102, 103, 100]

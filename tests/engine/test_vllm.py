@@ -251,6 +251,22 @@ def test_placeholder_drafts_are_rejected_on_every_sampler_path(tiny_model_dir, t
                                           [o[position] for o in sampled]) > 1e-3, (name, position)
 
 
+def first_divergence(steps: list, other: list) -> str | None:
+    """Where two runs' recorded steps (``record_drafts``) part: vLLM sampled other tokens after the
+    same drafts, or the proposer given the same tokens returned other drafts (drafting is not
+    reproducible). Batch order is vLLM's: compared by request."""
+    for number, (mine, theirs) in enumerate(zip(steps, other, strict=False)):
+        sampled = {request: tokens for request, tokens, _ in mine}
+        sampled_b = {request: tokens for request, tokens, _ in theirs}
+        if sampled != sampled_b:
+            return f"step {number}: vLLM sampled {sampled} and {sampled_b} after the same drafts"
+        drafts = {request: draft for request, _, draft in mine}
+        drafts_b = {request: draft for request, _, draft in theirs}
+        if drafts != drafts_b:
+            return f"step {number}: the proposer given the same tokens drafted {drafts} and {drafts_b}"
+    return None if len(steps) == len(other) else f"{len(steps)} and {len(other)} steps"
+
+
 LONG_PROMPTS = {f"long{i}": [1] + [(7 * i + 3 * j) % 250 + 5 for j in range(180 + 40 * i)] for i in range(3)}
 
 
@@ -268,8 +284,12 @@ def test_seeded_requests_whose_prefill_is_chunked(tiny_model_dir, tmp_path):
     assert out["outputs"] == whole["outputs"]
     # With speculation a seeded request draws its randomness differently, but reproducibly when its
     # drafts are (whole drafts: their lengths do not follow the measured step times)
-    drafted = {**spec, "draft": "ngramrl", "engine_args": chunked, "ngramrl_config": WHOLE_DRAFTS}
-    assert run(tmp_path, "drafted", drafted)["outputs"] == run(tmp_path, "drafted-again", drafted)["outputs"]
+    drafted = {**spec, "draft": "ngramrl", "engine_args": chunked, "ngramrl_config": WHOLE_DRAFTS,
+               "record_drafts": True}
+    first, again = run(tmp_path, "drafted", drafted), run(tmp_path, "drafted-again", drafted)
+    assert any(draft for step in first["drafts"] for _, _, draft in step)
+    assert first_divergence(first["drafts"], again["drafts"]) is None
+    assert first["outputs"] == again["outputs"]
     broken = run(tmp_path, "unpatched", {**spec, "draft": "none", "engine_args": chunked},
                  env={"NGRAMRL_VLLM_REWIND": "0"}, may_fail=True)
     assert "error" in broken and "offset" in broken["error"]

@@ -10,7 +10,10 @@ through the worker extension (a weight sync) before the first epoch, and "logpro
 output token's log-probability. Each epoch is one generate call; OUT holds the outputs per epoch
 and vLLM's speculative decoding counters. With "restart": "restored" | "cold", the engine is shut
 down before the last epoch and a new one runs it, given the old proposer's exported state or not
-(the counters are then the new engine's; OUT also holds what ``restore_state`` returned).
+(the counters are then the new engine's; OUT also holds what ``restore_state`` returned). With
+"record_drafts", OUT also holds, for each engine step, what the ngramrl proposer was given and returned, as
+[[request number, tokens sampled, draft], ...] (vLLM's request ids carry a random suffix after
+the number).
 """
 
 import json
@@ -29,6 +32,9 @@ def main(spec_path: str, out_path: str) -> None:
     from ngramrl.engine.worker_extension import EXTENSION
 
     spec = json.load(open(spec_path))
+    drafts: list[list] = []
+    if spec.get("record_drafts"):
+        record_drafts(drafts)
     if spec.get("ngramrl_config"):
         from ngramrl.engine.vllm_proposer import CONFIG_ENV
 
@@ -68,8 +74,24 @@ def main(spec_path: str, out_path: str) -> None:
                                                                    strict=True)] for o in outs])
     metrics = {m.name: float(m.value) for m in llm.get_metrics()
                if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}
-    json.dump({"outputs": results, "metrics": metrics, "restored": restored, "logprobs": logprobs},
-              open(out_path, "w"))
+    json.dump({"outputs": results, "metrics": metrics, "restored": restored, "logprobs": logprobs,
+               "drafts": drafts}, open(out_path, "w"))
+
+
+def record_drafts(steps: list[list]) -> None:
+    """Append each step's sampled tokens and drafts to ``steps`` (the engine runs in this process)."""
+    from ngramrl.engine.vllm_proposer import NgramRLProposer
+
+    propose = NgramRLProposer.propose
+
+    def recorded(self, sampled_token_ids, *args, **kwargs):
+        drafts = propose(self, sampled_token_ids, *args, **kwargs)
+        req_ids = self.runner.input_batch.req_ids[:len(sampled_token_ids)] if self.runner is not None else []
+        steps.append([[req_id.split("-")[0], list(sampled), list(draft)]
+                      for req_id, sampled, draft in zip(req_ids, sampled_token_ids, drafts, strict=False)])
+        return drafts
+
+    NgramRLProposer.propose = recorded
 
 
 def perturbed_weights(spec: dict) -> dict:
