@@ -278,7 +278,7 @@ class SimulatedEngine:
         """Let the proposer's last drafts go (its core's background work, if any, stops)."""
         core = getattr(self.proposer, "core", None)
         if core is not None:
-            core.collect(cancel=True)
+            core.stop(cancel=True)
 
 
 BACKGROUND_TIMINGS = ("absorb_ns", "plan_ns", "prefetch_lookup_ns")  # a prefetching native core's background work

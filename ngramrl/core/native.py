@@ -130,6 +130,11 @@ class NativeCore:
         """Wait at most ``seconds`` for the background work (inserts, prefetch); whether it finished."""
         return bool(self._core.wait_idle(float(seconds)))
 
+    def stop(self, cancel: bool = False) -> None:
+        """Wait for the background work (``cancel``: stop the prefetch lookups not yet started);
+        what the prefetch found stays for the next step."""
+        self._core.stop(bool(cancel))
+
     def collect(self, cancel: bool = False) -> OutcomeBatch:
         """Wait for the background work (``cancel``: stop the prefetch lookups not yet started) and
         return the outcomes the last prefetch looked up."""
@@ -160,7 +165,7 @@ class NativeCore:
         self._core.load_calibration_state([[float(v) for v in cell] for cell in state])
 
     def close(self) -> None:
-        self._core.collect(True)
+        self._core.stop(True)
 
 
 def _tokens(values: Any) -> np.ndarray:

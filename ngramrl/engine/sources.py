@@ -108,7 +108,7 @@ class CoreSource:
     def begin_step(self) -> None:
         """Stop the prefetch (its finished lookups are kept for this step)."""
         if self.background:
-            self.core.collect(cancel=True)
+            self.core.stop(cancel=True)
 
     def draft(self, rows: StepRows) -> DraftBatch:
         """All rows in one call of the core. A row without room (k = 0: drafting does not pay at

@@ -569,13 +569,19 @@ public:
     // Wait at most ``seconds`` for the background work (a forward's length); whether it finished.
     bool wait_idle(double seconds) { return background_.wait_for(seconds); }
 
-    // Stop (cancel) or finish the background work; the outcomes the last prefetch looked up.
+    // Stop (cancel: the prefetch lookups not yet started are dropped) or finish the background work.
+    void stop(bool cancel) {
+        if (cancel) cancel_.store(true);
+        join();
+        cancel_.store(false);
+    }
+
+    // stop, then the outcomes the last prefetch looked up (as arrays: a cost the engine's step
+    // does not pay, it only needs the prefetched drafts, which the next step finds by itself).
     py::tuple collect(bool cancel) {
         {
             py::gil_scoped_release release;
-            if (cancel) cancel_.store(true);
-            join();
-            cancel_.store(false);
+            stop(cancel);
         }
         std::vector<int32_t> rows, accepted, token;
         std::vector<double> probability;
@@ -1209,6 +1215,7 @@ PYBIND11_MODULE(_native, m) {
                  c.prefetch(h, t, o, p, k, a);
              })
         .def("collect", &Core::collect)
+        .def("stop", &Core::stop, py::call_guard<py::gil_scoped_release>())
         .def("wait_idle", &Core::wait_idle, py::call_guard<py::gil_scoped_release>())
         .def("observe",
              [](Core& c, F64 probs, I64 offsets, I64 accepted) {

@@ -282,6 +282,20 @@ def test_prefetched_draft_is_the_synchronous_one_and_is_dropped_when_an_index_ch
         assert hit.draft(0).tokens == outcomes.drafts.draft(0).tokens[:4]
 
 
+def test_a_stopped_prefetch_leaves_its_drafts_to_the_next_step():
+    """``stop`` (what the engine calls when the forward ends) waits for the prefetch without
+    handing its outcomes over; the next step still finds them."""
+    for core in pair(HistoryConfig(prompt_tail=0), DrafterConfig(use_global=False), PrefetchConfig(budget=16)):
+        core.add_rollout("p", [9], [1, 2, 3, 4, 5, 6, 1, 2, 7, 8], 0)
+        h = core.start("p", [9], [])
+        first = core.step([h], [1], [0, 1], [4])
+        core.prefetch([h], first.tokens, first.offsets, first.probs, 4, absorb=[h])
+        core.stop(cancel=False)
+        assert first.draft(0).tokens == [2, 7, 8]  # from the latest "1"
+        committed = [2, 3]  # the likeliest outcome: 2 accepted, then 3 (what followed "1 2" first)
+        assert core.step([h], committed, [0, len(committed)], [4]).prefetched[0]
+
+
 def trace_run(path: str, batch: int, limit: int, threads: int) -> int:
     """Epoch 3 of a trace (or its last, if earlier: three epochs of history, before an RL run's
     policy has converged and its drafts match whole rollouts) with ``batch`` requests in flight,
