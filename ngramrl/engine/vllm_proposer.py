@@ -182,13 +182,14 @@ class NgramRLProposer:
         # pay for it too (``_lookups_pay``).
         self._own_per_row: list[float | None] = [None, None]
         self._lookup_per_row: tuple[float, float] | None = None
-        # The last batch's request ids with the length of the draft each of its rows was sent; and a
-        # batch's drafting states (the source's: core handles, or the pool's requests) with whether
-        # each row has one: a steady decode batch is the same from step to step, and touching each
-        # row's objects after a forward has flushed the caches is what per-row code costs.
+        # The last step's rows as arrival ranks (rising) with the length of the draft each was sent;
+        # and a batch's drafting states (the source's: core handles, or the pool's requests), whether
+        # each row has one, the rows' arrival ranks and the rows in arrival order: a steady decode
+        # batch is the same from step to step, and touching each row's objects after a forward has
+        # flushed the caches is what per-row code costs.
         self._last_batch: tuple[str, ...] = ()
-        self._sent_lengths = np.zeros(0, dtype=np.int64)
-        self._batch_states: tuple[tuple[str, ...], Any, np.ndarray, np.ndarray | None] | None = None
+        self._sent: tuple[np.ndarray, np.ndarray] = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        self._batch_states: tuple[tuple[str, ...], Any, np.ndarray, np.ndarray, np.ndarray | None] | None = None
         self._verified_tokens = 0               # draft tokens the last step's forward verified
         self._step_started: float | None = None
         # Lookups back off while the cost model keeps nothing: after the n-th lookup step in a
@@ -263,15 +264,14 @@ class NgramRLProposer:
         # prefill, and the gap before a new generate call is idle time.
         if self._step_started is not None and batch == self._last_batch:
             self.cost.observe(len(batch), self._verified_tokens, begin / 1e9 - self._step_started)
-        verified_before = self._sent_before(batch)
         self._last_batch = batch
         self.source.begin_step()
         self._retire(runner.requests)
-        rows = self._rows(batch, sampled_token_ids, num_tokens_no_spec)
+        rows, ranks = self._rows(batch, sampled_token_ids, num_tokens_no_spec)
         committed = np.diff(rows.offsets)
         self.stats.row_steps += len(rows)
         self.stats.committed_tokens += int(committed.sum())
-        verified = verified_before[rows.index]
+        verified = self._sent_before(ranks)
         accepted = int((committed[verified > 0] - 1).sum())  # the token after the accepted ones is the target's
         self.stats.accepted_tokens += accepted
         self._delivered[0] += accepted
@@ -302,15 +302,16 @@ class NgramRLProposer:
         self.stats.invalid_tokens += int((kept - valid).sum())
         sent = made.truncated(valid)
         drafting = np.flatnonzero(valid)
-        self._sent_lengths = np.zeros(len(batch), dtype=np.int64)
-        self._sent_lengths[rows.index] = valid
+        self._sent = (ranks, valid)
         self.stats.drafts += len(drafting)
         self.stats.drafted_tokens += int(valid.sum())
         self._verified_tokens = int(valid.sum())  # draft tokens the next forward verifies
-        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        drafts: list[Any] = [None] * len(sampled_token_ids)
         tokens, offsets = sent.tokens.tolist(), sent.offsets.tolist()
-        for i in drafting.tolist():
-            drafts[int(rows.index[i])] = tokens[offsets[i]:offsets[i + 1]]
+        for position, start, end in zip(rows.index.tolist(), offsets[:-1], offsets[1:], strict=True):
+            drafts[position] = tokens[start:end]
+        if len(rows) < len(drafts):
+            drafts = [[] if draft is None else draft for draft in drafts]
         self.source.end_step(rows, sent, looked_up, self._prefetches_next(len(rows)))
         self.stats.steps += 1
         end = self.clock()
@@ -324,10 +325,11 @@ class NgramRLProposer:
         self._step_started = end / 1e9
         return drafts
 
-    def _rows(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]], num_tokens_no_spec: Any) -> StepRows:
-        """The step's rows that commit tokens for a request with a prompt id, as arrays: one
-        conversion per step, not one object per row."""
-        states, known, order = self._states(batch, sampled_token_ids)
+    def _rows(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]],
+              num_tokens_no_spec: Any) -> tuple[StepRows, np.ndarray]:
+        """The step's rows that commit tokens for a request with a prompt id, as arrays (one
+        conversion per step, not one object per row), in arrival order, with their arrival ranks."""
+        states, known, arrival, order = self._states(batch, sampled_token_ids)
         sizes = np.fromiter(map(len, sampled_token_ids), np.int64, len(batch))
         drafting = known & (sizes > 0)
         index = np.flatnonzero(drafting) if order is None else order[drafting[order]]
@@ -342,13 +344,14 @@ class NgramRLProposer:
         else:
             req_ids = [batch[i] for i in index.tolist()]
             requests = states[index] if isinstance(states, np.ndarray) else [states[i] for i in index.tolist()]
-        return StepRows(index, req_ids, requests, tokens, offsets, np.minimum(self.k, room).astype(np.int32))
+        ks = np.minimum(self.k, room).astype(np.int32)
+        return StepRows(index, req_ids, requests, tokens, offsets, ks), arrival[index]
 
     def _states(self, batch: tuple[str, ...],
-                sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray, np.ndarray | None]:
+                sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray | None]:
         """Each row's drafting state (the core's handles as an array; the pool's requests), whether
-        it has one (a request with a prompt id), and the rows in the order their requests came
-        (None: the batch's own order). New requests are admitted here."""
+        it has one (a request with a prompt id), its arrival rank, and the rows in the order their
+        requests came (None: the batch's own order). New requests are admitted here."""
         if self._batch_states is not None and self._batch_states[0] == batch:
             return self._batch_states[1:]
         new = set(batch).difference(self.requests)
@@ -364,15 +367,19 @@ class NgramRLProposer:
         else:
             arrival = np.fromiter((self._arrival[req_id] for req_id in batch), np.int64, len(batch))
         order = None if np.all(arrival[1:] > arrival[:-1]) else np.argsort(arrival, kind="stable")
-        self._batch_states = (batch, states, known, order)
-        return states, known, order
+        self._batch_states = (batch, states, known, arrival, order)
+        return states, known, arrival, order
 
-    def _sent_before(self, batch: tuple[str, ...]) -> np.ndarray:
-        """The length of the draft each row of ``batch`` was sent for verification last step (0: none)."""
-        if self._last_batch == batch:
-            return self._sent_lengths
-        position = dict(zip(self._last_batch, self._sent_lengths.tolist(), strict=True))
-        return np.fromiter((position.get(req_id, 0) for req_id in batch), np.int64, len(batch))
+    def _sent_before(self, ranks: np.ndarray) -> np.ndarray:
+        """The length of the draft each row (by arrival rank) was sent for verification last step
+        (0: none). Both steps' ranks rise: one binary search per row."""
+        sent, lengths = self._sent
+        if np.array_equal(sent, ranks):
+            return lengths
+        if not len(sent):
+            return np.zeros(len(ranks), dtype=np.int64)
+        at = np.minimum(np.searchsorted(sent, ranks), len(sent) - 1)
+        return np.where(sent[at] == ranks, lengths[at], 0)
 
     def _exploring(self, step: int) -> bool:
         return self.config.engine.adaptive_length and step >= self._next_probe
