@@ -14,7 +14,7 @@ does. Every row drafts at every step (k tokens): the cost model never switches d
 Methods, each through the same loop:
 - ``core``: ``step`` for all rows, then ``absorb`` and ``prefetch`` (both run in the background
   during the forward stand-in on the native core), finished requests ``finish`` with their epoch.
-  The critical path is every core call made between two forwards (``collect`` waits there for
+  The critical path is every core call made between two forwards (``stop`` waits there for
   background work that did not finish during the forward);
 - ``core-sync``: the same without prefetch (``absorb`` still in the background);
 - ``suffix``: SuffixDecoding's C++ cache as vLLM's ``suffix`` method drives it
@@ -96,7 +96,7 @@ def run_core(path: str, batch: int, k: int, threads: int, prefetch: bool, native
         ks = np.full(len(handles), k, dtype=np.int32)
         # The proposer's call: everything from here to the next forward is on the critical path.
         begin = clock()
-        core.collect(cancel=True)
+        core.stop(cancel=True)
         for h in done:
             core.finish(h, live.pop(h)[0].epoch)
         joined = []
