@@ -1,6 +1,7 @@
 """The drafter pool: shard protocol, prefetch, saving, restoring and rebuilding after a crash."""
 
 import os
+import time
 
 import pytest
 
@@ -163,6 +164,13 @@ def queries():
     return [(f"p{i}", [1, 100 + i, 3], out, 5) for i in range(6) for out in ([10 + i], [10 + i, 11], [13])]
 
 
+def wait_down(pool, shards, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(pool.health(timeout_s=5.0)[index] is not None for index in shards):
+        assert time.monotonic() < deadline, f"shards {shards} still answer after being killed"
+        time.sleep(0.1)
+
+
 def test_pool_rebuilds_a_killed_shard_and_restores_saved_state(local_ray, tmp_path):
     from ngramrl.pipeline.pool import DrafterPool
 
@@ -175,7 +183,7 @@ def test_pool_rebuilds_a_killed_shard_and_restores_saved_state(local_ray, tmp_pa
         before = [pool.lookup(*q) for q in queries()]
         assert any(tokens for tokens, _ in before)
         local_ray.kill(pool.handles[1], no_restart=True)
-        assert pool.health()[1] is None
+        wait_down(pool, (1,))
         assert pool.heal() == [1] and pool.restarts == 1
         assert [pool.lookup(*q) for q in queries()] == before
         # OpenRLHF's engines feed the shards themselves, past the driver: the shard's own journal
@@ -188,6 +196,7 @@ def test_pool_rebuilds_a_killed_shard_and_restores_saved_state(local_ray, tmp_pa
         assert fed != before
         for index in (1, 2):
             local_ray.kill(pool.handles[index], no_restart=True)
+        wait_down(pool, (1, 2))  # a kill is asynchronous: a shard may answer once more
         assert pool.heal() == [1, 2]
         assert [pool.lookup(*q) for q in queries()] == fed
         before = fed
