@@ -301,9 +301,8 @@ class NgramRLProposer:
         self.stats.cut_tokens += int((sizes - kept).sum())
         self.stats.invalid_tokens += int((kept - valid).sum())
         sent = made.truncated(valid)
-        drafting = np.flatnonzero(valid)
         self._sent = (ranks, valid)
-        self.stats.drafts += len(drafting)
+        self.stats.drafts += int(np.count_nonzero(valid))
         self.stats.drafted_tokens += int(valid.sum())
         self._verified_tokens = int(valid.sum())  # draft tokens the next forward verifies
         drafts: list[Any] = [None] * len(sampled_token_ids)

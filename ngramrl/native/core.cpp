@@ -409,7 +409,7 @@ public:
                 follow_committed(*reqs[i], tokens.data() + offsets[i], static_cast<size_t>(offsets[i + 1] - offsets[i]));
         bool any_k = false;
         for (int32_t k : ks) any_k = any_k || k > 0;
-        if (any_k) absorb_rows(reqs, pool_);
+        if (any_k) absorb_rows(reqs, order, pool_);
         // Commits, on this thread in arrival order: they may rebuild an index and touch the LRU order.
         drafts_.resize(rows);
         hits_.assign(rows, 0);
@@ -531,7 +531,7 @@ public:
         if (now) {
             join();
             const int64_t begin = now_ns();
-            absorb_rows(reqs, pool_);
+            absorb_rows(reqs, arrival_order(reqs), pool_);
             timings_["absorb_ns"] += now_ns() - begin;
             timings_["absorb_rows"] += static_cast<int64_t>(reqs.size());
             return;
@@ -541,7 +541,7 @@ public:
 
     void timed_absorb(const std::vector<Request*>& reqs) {
         const int64_t begin = now_ns();
-        absorb_rows(reqs, background_pool_);
+        absorb_rows(reqs, arrival_order(reqs), background_pool_);
         timings_["absorb_ns"] += now_ns() - begin;
         timings_["absorb_rows"] += static_cast<int64_t>(reqs.size());
     }
@@ -859,11 +859,12 @@ private:
         return order;
     }
 
-    // absorb for many rows: in arrival order within a prompt, prompts in parallel.
-    void absorb_rows(const std::vector<Request*>& reqs, ThreadPool& pool) {
+    // absorb for many rows (``order``: their arrival_order): in arrival order within a prompt,
+    // prompts in parallel.
+    void absorb_rows(const std::vector<Request*>& reqs, const std::vector<size_t>& order, ThreadPool& pool) {
         std::vector<std::pair<Prompt*, std::vector<Request*>>> groups;
         std::unordered_map<Prompt*, size_t> group_of;
-        for (const size_t i : arrival_order(reqs)) {
+        for (const size_t i : order) {
             Request* r = reqs[i];
             if (!r->known || r->pending.empty()) continue;
             Prompt* entry = history_.find(r->prompt_id);
