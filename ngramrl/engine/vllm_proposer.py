@@ -266,7 +266,6 @@ class NgramRLProposer:
             self.cost.observe(len(batch), self._verified_tokens, begin / 1e9 - self._step_started)
         self._last_batch = batch
         self.source.begin_step()
-        self._retire(runner.requests)
         rows, ranks = self._rows(batch, sampled_token_ids, num_tokens_no_spec)
         committed = np.diff(rows.offsets)
         self.stats.row_steps += len(rows)
@@ -311,6 +310,11 @@ class NgramRLProposer:
             drafts[position] = tokens[start:end]
         if len(rows) < len(drafts):
             drafts = [[] if draft is None else draft for draft in drafts]
+        # Requests that left enter the history once this step's drafts are made: the work (their
+        # rollouts into the prompt's and the cross-prompt index) then runs with the step's inserts,
+        # during the forward, and before the prefetch, whose drafts stay valid only while the
+        # indexes they read do not change.
+        self._retire(runner.requests)
         self.source.end_step(rows, sent, looked_up, self._prefetches_next(len(rows)))
         self.stats.steps += 1
         end = self.clock()

@@ -231,6 +231,42 @@ def test_background_worker_adds_the_committed_tokens_during_the_forward(monkeypa
     assert made["on"] == made["off"]
 
 
+def test_a_request_that_finishes_leaves_the_others_prefetched_drafts_valid(monkeypatch):
+    """A finished request's rollout enters the history (and the cross-prompt index) in the step
+    that sees it gone, before that step's prefetch: the drafts prefetched for the other requests
+    read the indexes as the next step finds them, so they are used, not looked up again."""
+    pytest.importorskip("ngramrl._native", reason="the native core is not built (pip install . builds it)")
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), prefetch="on",
+                                        adaptive_length=False)
+    assert proposer.core.native
+    pattern = [100, 101, 102, 103, 104, 105]
+    proposer.core.add_rollout("p", [1, 2, 3], pattern * 20, epoch=0)
+    runner.add("r0", "p", [1, 2, 3], epoch=1)
+    position, draft = 0, []
+    hits = []
+    for s in range(12):
+        if s in (4, 8):  # a request of another prompt joins, and leaves after two steps
+            runner.add(f"x{s}", f"other{s}", [1, 7, 8], epoch=1)
+        if s in (6, 10):
+            runner.remove(f"x{s - 2}")
+        right = 0  # the target accepts what r0's draft got right of the pattern, then the next token
+        while right < len(draft) and draft[right] == pattern[(position + right) % 6]:
+            right += 1
+        tokens = [pattern[(position + i) % 6] for i in range(right + 1)]
+        position += len(tokens)
+        sampled = [tokens] + [[7] for _ in runner.input_batch.req_ids[1:]]
+        before = proposer.stats.prefetch_hits
+        draft = proposer.propose(sampled, [3 + position] * len(sampled), None)[0]
+        hits.append(proposer.stats.prefetch_hits - before)
+        proposer.core.wait_idle(10.0)  # the forward, during which the prefetch runs
+    assert proposer.stats.finished_rollouts == 2
+    assert proposer.core.rollout_count("other4") == 1
+    assert draft == [pattern[(position + i) % 6] for i in range(4)]
+    # r0's draft came from the prefetch at every step after its first two (the history's warm-up),
+    # the steps right after a finish (7 and 11) included
+    assert all(hits[s] >= 1 for s in range(2, 12)), hits
+
+
 def test_background_work_follows_only_steps_that_look_up(monkeypatch):
     """Drafting cannot pay at this batch size: only probe steps look up. Their committed tokens
     enter the index after them (in the background with prefetch on), nothing is prefetched (the
