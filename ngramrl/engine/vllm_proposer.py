@@ -37,6 +37,7 @@ PROBE_TOKENS = (1, 4)  # draft tokens verified by the probes while drafting is o
 # at the default), so a few steps' delay changes little, and solving it for every knee is most of
 # what it costs per step.
 COST_REFIT_EVERY = 4
+UNSEEN, NO_PROMPT = -2, -1  # arrival ranks of a request not admitted yet, and of one without a prompt id
 OWN_TIME_DECAY = 0.9  # the weight of the earlier steps in the proposer's own time and its lookups' yield
 
 
@@ -170,7 +171,8 @@ class NgramRLProposer:
         self.epochs: dict[str, int] = {}
         # Each request's rank in the order the requests came: the source sees a step's rows in that
         # order, so the drafts do not depend on the engine's batch order (vLLM moves rows into the
-        # places of finished requests, and the history's insertion order decides ties).
+        # places of finished requests, and the history's insertion order decides ties). NO_PROMPT
+        # for a request without a prompt id (it never drafts).
         self._arrival: dict[str, int] = {}
         self._arrivals = 0
         self.stats = ProposerStats()
@@ -304,12 +306,12 @@ class NgramRLProposer:
         self.stats.drafts += int(np.count_nonzero(valid))
         self.stats.drafted_tokens += int(valid.sum())
         self._verified_tokens = int(valid.sum())  # draft tokens the next forward verifies
-        drafts: list[Any] = [None] * len(sampled_token_ids)
-        tokens, offsets = sent.tokens.tolist(), sent.offsets.tolist()
-        for position, start, end in zip(rows.index.tolist(), offsets[:-1], offsets[1:], strict=True):
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]  # one list each: vLLM trims them in place
+        with_draft = np.flatnonzero(valid)
+        tokens = sent.tokens.tolist()
+        for position, start, end in zip(rows.index[with_draft].tolist(), sent.offsets[with_draft].tolist(),
+                                        sent.offsets[with_draft + 1].tolist(), strict=True):
             drafts[position] = tokens[start:end]
-        if len(rows) < len(drafts):
-            drafts = [[] if draft is None else draft for draft in drafts]
         # Requests that left enter the history once this step's drafts are made: the work (their
         # rollouts into the prompt's and the cross-prompt index) then runs with the step's inserts,
         # during the forward, and before the prefetch, whose drafts stay valid only while the
@@ -357,18 +359,14 @@ class NgramRLProposer:
         requests came (None: the batch's own order). New requests are admitted here."""
         if self._batch_states is not None and self._batch_states[0] == batch:
             return self._batch_states[1:]
-        new = set(batch).difference(self.requests)
-        if new:
-            for row, req_id in enumerate(batch):
-                if req_id in new:
-                    self._admit(req_id, self.runner.requests.get(req_id), sampled_token_ids[row])
-        states = [self.requests[req_id] for req_id in batch]
-        known = np.fromiter((state is not None for state in states), bool, len(batch))
-        if self.core is not None:  # core handles are ints: one array, passed to every step as it is
-            states = np.array([-1 if state is None else state for state in states], dtype=np.int64)
-            arrival = states  # and they rise in the order the requests started
-        else:
-            arrival = np.fromiter((self._arrival[req_id] for req_id in batch), np.int64, len(batch))
+        arrival = np.fromiter(map(self._arrival.get, batch, itertools.repeat(UNSEEN)), np.int64, len(batch))
+        for row in np.flatnonzero(arrival == UNSEEN).tolist():
+            self._admit(batch[row], self.runner.requests.get(batch[row]), sampled_token_ids[row])
+            arrival[row] = self._arrival[batch[row]]
+        known = arrival >= 0
+        # The core's handles are the ranks (one array, passed to every step as it is); the pool's
+        # requests are objects.
+        states = arrival if self.core is not None else [self.requests[req_id] for req_id in batch]
         order = None if np.all(arrival[1:] > arrival[:-1]) else np.argsort(arrival, kind="stable")
         self._batch_states = (batch, states, known, arrival, order)
         return states, known, arrival, order
@@ -476,8 +474,7 @@ class NgramRLProposer:
 
     def _admit(self, req_id: str, cached: Any, sampled: list[int]) -> None:
         """First sight of a request: start it as a live sequence of its prompt."""
-        self._arrival[req_id] = self._arrivals
-        self._arrivals += 1
+        self._arrival[req_id] = NO_PROMPT
         params = getattr(cached, "sampling_params", None) if cached is not None else None
         extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
         prompt_id = extra.get("prompt_id")
@@ -487,7 +484,11 @@ class NgramRLProposer:
             return
         produced = list(getattr(cached, "output_token_ids", []) or [])
         before = produced[: max(0, len(produced) - len(sampled))]  # tokens from before this step
-        self.requests[req_id] = self.source.start(req_id, str(prompt_id), list(prompt), before)
+        state = self.source.start(req_id, str(prompt_id), list(prompt), before)
+        self.requests[req_id] = state
+        # the core's handles rise in the order its requests start: they serve as the ranks
+        self._arrival[req_id] = state if self.core is not None else self._arrivals
+        self._arrivals += 1
         self.epochs[req_id] = int(extra.get("epoch", 0))
 
     def _retire(self, live: dict[str, Any]) -> None:
