@@ -410,37 +410,40 @@ public:
         bool any_k = false;
         for (int32_t k : ks) any_k = any_k || k > 0;
         if (any_k) absorb_rows(reqs, order, pool_);
-        // Commits, on this thread in arrival order: they may rebuild an index and touch the LRU order.
         drafts_.resize(rows);
         hits_.assign(rows, 0);
         lookups_.clear();
-        Tokens committed;
-        for (const size_t i : order) {
-            Request& r = *reqs[i];
-            committed.assign(tokens.begin() + offsets[i], tokens.begin() + offsets[i + 1]);
-            drafts_[i].clear();
-            if (ks[i] <= 0) {
-                defer(r, committed);
-                continue;
-            }
-            commit(r, committed);
-            if (!committed.empty() && r.known) {
-                auto it = cache_.find(CacheKey{r.handle, static_cast<int32_t>(committed.size()) - 1, committed.back()});
-                if (it != cache_.end() && outcomes_[it->second].stamp == stamp(r)) {
-                    drafts_[i] = outcomes_[it->second].draft;
-                    truncate(drafts_[i], ks[i]);
-                    hits_[i] = 1;
-                    continue;
+        // A row whose index is current (the layout has not moved since it was found, nothing is
+        // pending) commits without touching anything shared: those rows commit on any thread. The
+        // others find their index again, which may rebuild it and touches the LRU order: those
+        // commit on this thread first, in arrival order. A cross-prompt index not built yet is
+        // built at the first lookup, after the commits before it (the order the build reads the
+        // prompts in): then every row commits here, in arrival order.
+        const bool any_thread = pool_.threads() > 1 && (!config_.use_global || history_.built_global() != nullptr);
+        wants_lookup_.assign(rows, 0);
+        if (!any_thread) {
+            Tokens committed;
+            for (const size_t i : order)
+                if (commit_row(*reqs[i], i, tokens, offsets, ks[i], committed) && config_.use_global)
+                    history_.global_index();
+        } else {
+            Tokens committed;
+            done_.assign(rows, 0);
+            for (const size_t i : order)
+                if (ks[i] > 0 && !current(*reqs[i])) {
+                    commit_row(*reqs[i], i, tokens, offsets, ks[i], committed);
+                    done_[i] = 1;
                 }
-            }
-            if (r.known) {
-                lookups_.push_back(static_cast<int32_t>(i));
-                // The reference builds a missing cross-prompt index in this row's lookup, before
-                // the next row's commit touches the LRU order (the order the build reads prompts in).
-                if (config_.use_global) history_.global_index();
-            }
+            constexpr size_t kChunk = 64;
+            pool_.run((rows + kChunk - 1) / kChunk, [&](size_t c) {
+                thread_local Tokens mine;
+                for (size_t i = c * kChunk; i < std::min(rows, (c + 1) * kChunk); ++i)
+                    if (!done_[i]) commit_row(*reqs[i], i, tokens, offsets, ks[i], mine);
+            });
         }
-        cache_.clear();
+        for (const size_t i : order)
+            if (wants_lookup_[i]) lookups_.push_back(static_cast<int32_t>(i));
+        cache_valid_ = false;  // used once; emptied in the background, by the next prefetch
         Automaton* global = history_.built_global();
         // Lookups read the indexes only: any row on any thread.
         constexpr size_t kChunk = 8;
@@ -697,7 +700,9 @@ private:
         DraftOut draft;
         Stamp stamp;  // what its lookup read
     };
+    std::vector<uint8_t> wants_lookup_, done_;  // a step's rows: still to look up; committed already
     std::unordered_map<CacheKey, int32_t, CacheKeyHash> cache_;  // -> index into outcomes_
+    bool cache_valid_ = false;  // the last prefetch's, not used by a step yet
     std::vector<Prefetched> outcomes_;
     std::atomic<bool> cancel_{false};
     // Time spent in each kind of work since the core was made (ns), and the rows it covered.
@@ -887,6 +892,36 @@ private:
     }
 
     // The last ``n`` tokens of prompt + output + extra.
+    // Whether the request's index is the one index() would return without looking (nothing shared
+    // is read or changed to commit it).
+    bool current(const Request& r) const {
+        return !r.known || (r.layout == history_.layout && r.index && r.pending.empty());
+    }
+
+    // Row i's part of a step: commit (or defer) its tokens, take its prefetched draft if there is
+    // one; whether it still needs a lookup (then wants_lookup_[i] is set).
+    bool commit_row(Request& r, size_t i, const Tokens& tokens, const std::vector<int64_t>& offsets, int32_t k,
+                    Tokens& committed) {
+        committed.assign(tokens.begin() + offsets[i], tokens.begin() + offsets[i + 1]);
+        drafts_[i].clear();
+        if (k <= 0) {
+            defer(r, committed);
+            return false;
+        }
+        commit(r, committed);
+        if (cache_valid_ && !committed.empty() && r.known) {
+            auto it = cache_.find(CacheKey{r.handle, static_cast<int32_t>(committed.size()) - 1, committed.back()});
+            if (it != cache_.end() && outcomes_[it->second].stamp == stamp(r)) {
+                drafts_[i] = outcomes_[it->second].draft;
+                truncate(drafts_[i], k);
+                hits_[i] = 1;
+                return false;
+            }
+        }
+        wants_lookup_[i] = r.known;
+        return r.known;
+    }
+
     static void context_tail(const Request& r, const int32_t* extra, size_t n_extra, size_t n, Tokens& out) {
         out.clear();
         const size_t total = r.prompt.size() + r.output.size() + n_extra;
@@ -1119,6 +1154,7 @@ private:
                 outcomes_.push_back(std::move(p));
             }
         }
+        cache_valid_ = true;
         timings_["plan_ns"] += plan_ns.load();
         timings_["plan_rows"] += planned.load();
         timings_["prefetch_lookup_ns"] += lookup_ns.load();
