@@ -95,18 +95,26 @@ def test_bench_rejects_unknown_method(tmp_path, capsys):
 def test_bench_steps_writes_its_contract_json(tmp_path, capsys):
     trace = small_trace(tmp_path / "toy.jsonl.gz")
     out = tmp_path / "steps.json"
-    code = main(["bench-steps", trace, "--batch", "1", "3", "--threads", "2", "--method", "ngramrl", "suffix",
+    methods = ("ngramrl", "ngramrl-prefetch", "suffix")
+    code = main(["bench-steps", trace, "--batch", "1", "3", "--threads", "2", "--method", *methods,
                  "--flush-mb", "1", "--json", str(out)])
     assert code == 0
     data = json.loads(out.read_text())
     assert data["ngramrl_bench_steps"] == 1
     keys = {"trace", "method", "batch", "threads", "steps", "step_us_median", "step_us_mean", "step_us_p99",
-            "request_us_mean", "offpath_us_mean", "tokens_per_forward"}
-    assert {(r["method"], r["batch"]) for r in data["runs"]} == {(m, b) for m in ("ngramrl", "suffix") for b in (1, 3)}
+            "request_us_mean", "offpath_us_mean", "tokens_per_forward", "prefetch_coverage"}
+    assert {(r["method"], r["batch"]) for r in data["runs"]} == {(m, b) for m in methods for b in (1, 3)}
     for run in data["runs"]:
         assert set(run) == keys and run["trace"] == trace and run["steps"] > 0
-        assert run["threads"] == (2 if run["method"] == "ngramrl" else 1)
+        assert run["threads"] == (1 if run["method"] == "suffix" else 2)
         assert run["step_us_median"] <= run["step_us_p99"] and run["tokens_per_forward"] >= 1.0
+        coverage = run["prefetch_coverage"]
+        if run["method"] == "suffix":
+            assert coverage is None
+        elif run["method"] == "ngramrl":
+            assert coverage == 0.0
+        else:
+            assert 0.0 <= coverage <= 1.0
     assert "ngramrl" in capsys.readouterr().out
     assert data["draft_always"] is False
 

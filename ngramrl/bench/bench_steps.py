@@ -54,6 +54,15 @@ class BenchStepsConfig:
             raise ValueError(f"--flush-mb must be >= 0, got {self.flush_mb}")
 
 
+def prefetch_coverage(proposer: object) -> float | None:
+    """The fraction of the phase's lookups whose draft was ready from the prefetch (None for a
+    proposer without these counters: SuffixDecoding)."""
+    stats = getattr(proposer, "stats", None)
+    if stats is None or not hasattr(stats, "lookup_rows"):
+        return None
+    return round(stats.prefetch_hits / stats.lookup_rows, 4) if stats.lookup_rows else 0.0
+
+
 def default_profile(k: int) -> StepProfile:
     return roofline_profile("h100", MODEL_SHAPES["qwen3-8b"], k=k)
 
@@ -86,12 +95,14 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                 run = {"trace": trace.path, "method": method, "batch": batch,
                        "threads": config.threads if method.startswith("ngramrl") else 1,
                        **{key: round(value, 3) if isinstance(value, float) else value
-                          for key, value in asdict(summary).items()}}
+                          for key, value in asdict(summary).items()},
+                       "prefetch_coverage": prefetch_coverage(engine.proposer)}
                 runs.append(run)
                 log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} steps {run['steps']:>5}  "
                     f"step {run['step_us_median']:>9.1f} / {run['step_us_mean']:>9.1f} / {run['step_us_p99']:>9.1f} us "
                     f"(median/mean/p99)  {run['request_us_mean']:>6.1f} us/request  offpath "
-                    f"{run['offpath_us_mean']:>8.1f} us  tok/fwd {run['tokens_per_forward']:.3f}")
+                    f"{run['offpath_us_mean']:>8.1f} us  tok/fwd {run['tokens_per_forward']:.3f}"
+                    + ("" if run["prefetch_coverage"] is None else f"  prefetched {run['prefetch_coverage']:.3f}"))
     result = {"ngramrl_bench_steps": BENCH_STEPS_VERSION, "runs": runs,
               "profile": {"source": profile.source, "model": profile.model.get("name"),
                           "device": profile.device.get("name"), "path": config.profile},

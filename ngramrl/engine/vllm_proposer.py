@@ -67,7 +67,8 @@ class ProposerStats:
     drafted_tokens: int = 0
     cut_tokens: int = 0          # drafted, then dropped by the cost model
     invalid_tokens: int = 0      # drafted, then dropped as no token id of the target (a corrupt history)
-    prefetch_hits: int = 0       # next drafts that were ready from the prefetch
+    lookup_rows: int = 0         # rows that looked up a draft (room for one, in a step that drafts)
+    prefetch_hits: int = 0       # of them, rows whose draft was ready from the prefetch
     finished_rollouts: int = 0
     row_steps: int = 0           # (request, step) pairs: target forwards spent on requests with a prompt id
     committed_tokens: int = 0    # tokens those forwards committed
@@ -286,7 +287,9 @@ class NgramRLProposer:
         looked = self._looks_up(self.stats.steps, len(rows))
         if not looked:
             rows.ks[:] = 0  # no draft could pay for its verification now: skip the lookups
-        looked_up = bool(len(rows)) and bool(np.any(rows.ks > 0))
+        lookup_rows = int(np.count_nonzero(rows.ks > 0))
+        self.stats.lookup_rows += lookup_rows
+        looked_up = lookup_rows > 0
         made = self.source.draft(rows) if len(rows) else DraftBatch.from_drafts([])
         self.stats.prefetch_hits += int(made.prefetched.sum())
         lengths, expected, paid = self._lengths(made, exploring)
@@ -511,7 +514,7 @@ class NgramRLProposer:
         base, per_request, per_token, per_verify = self.cost.coefficients
         stats = self.stats
         return {"steps": stats.steps, "drafts": stats.drafts, "drafted_tokens": stats.drafted_tokens,
-                "prefetch_hits": stats.prefetch_hits, "cut_tokens": stats.cut_tokens,
+                "lookup_rows": stats.lookup_rows, "prefetch_hits": stats.prefetch_hits, "cut_tokens": stats.cut_tokens,
                 "invalid_tokens": stats.invalid_tokens,
                 "finished_rollouts": stats.finished_rollouts, "row_steps": stats.row_steps,
                 "committed_tokens": stats.committed_tokens, "accepted_tokens": stats.accepted_tokens,
