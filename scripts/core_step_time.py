@@ -13,7 +13,9 @@ does. Every row drafts at every step (k tokens): the cost model never switches d
 
 Methods, each through the same loop:
 - ``core``: ``step`` for all rows, then ``absorb`` and ``prefetch`` (both run in the background
-  during the forward stand-in on the native core), finished requests ``finish`` with their epoch.
+  during the forward stand-in on the native core); the requests that ended ``finish`` with their
+  epoch between the two, as in the engine's proposer (their history work then runs in the
+  background too, before the prefetch, whose drafts stay valid).
   The critical path is every core call made between two forwards (``stop`` waits there for
   background work that did not finish during the forward);
 - ``core-sync``: the same without prefetch (``absorb`` still in the background);
@@ -97,13 +99,13 @@ def run_core(path: str, batch: int, k: int, threads: int, prefetch: bool, native
         # The proposer's call: everything from here to the next forward is on the critical path.
         begin = clock()
         core.stop(cancel=True)
-        for h in done:
-            core.finish(h, live.pop(h)[0].epoch)
         joined = []
-        while len(live) + len(joined) < batch and waiting:
+        while len(live) - len(done) + len(joined) < batch and waiting:
             r = waiting.pop(0)
             joined.append((core.start(r.prompt_id, r.prompt, [], register=True), r))
         drafts = core.step(handles, flat, offsets, ks) if handles else None
+        for h in done:  # after the step's drafts and before the prefetch, as the engine's proposer does
+            core.finish(h, live.pop(h)[0].epoch)
         if prefetch and drafts is not None:
             core.prefetch(handles, drafts.tokens, drafts.offsets, drafts.probs, k, absorb=handles)
         else:
