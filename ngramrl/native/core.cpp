@@ -421,13 +421,13 @@ public:
         // prompts in): then every row commits here, in arrival order.
         const bool any_thread = pool_.threads() > 1 && (!config_.use_global || history_.built_global() != nullptr);
         wants_lookup_.assign(rows, 0);
+        Tokens committed;
         if (!any_thread) {
-            Tokens committed;
-            for (const size_t i : order)
-                if (commit_row(*reqs[i], i, tokens, offsets, ks[i], committed) && config_.use_global)
-                    history_.global_index();
+            for (const size_t i : order) {
+                commit_row(*reqs[i], i, tokens, offsets, ks[i], committed);
+                if (wants_lookup_[i] && config_.use_global) history_.global_index();
+            }
         } else {
-            Tokens committed;
             done_.assign(rows, 0);
             for (const size_t i : order)
                 if (ks[i] > 0 && !current(*reqs[i])) {
@@ -891,7 +891,6 @@ private:
         });
     }
 
-    // The last ``n`` tokens of prompt + output + extra.
     // Whether the request's index is the one index() would return without looking (nothing shared
     // is read or changed to commit it).
     bool current(const Request& r) const {
@@ -899,14 +898,14 @@ private:
     }
 
     // Row i's part of a step: commit (or defer) its tokens, take its prefetched draft if there is
-    // one; whether it still needs a lookup (then wants_lookup_[i] is set).
-    bool commit_row(Request& r, size_t i, const Tokens& tokens, const std::vector<int64_t>& offsets, int32_t k,
+    // one, else mark it in wants_lookup_.
+    void commit_row(Request& r, size_t i, const Tokens& tokens, const std::vector<int64_t>& offsets, int32_t k,
                     Tokens& committed) {
         committed.assign(tokens.begin() + offsets[i], tokens.begin() + offsets[i + 1]);
         drafts_[i].clear();
         if (k <= 0) {
             defer(r, committed);
-            return false;
+            return;
         }
         commit(r, committed);
         if (cache_valid_ && !committed.empty() && r.known) {
@@ -915,13 +914,13 @@ private:
                 drafts_[i] = outcomes_[it->second].draft;
                 truncate(drafts_[i], k);
                 hits_[i] = 1;
-                return false;
+                return;
             }
         }
         wants_lookup_[i] = r.known;
-        return r.known;
     }
 
+    // The last ``n`` tokens of prompt + output + extra.
     static void context_tail(const Request& r, const int32_t* extra, size_t n_extra, size_t n, Tokens& out) {
         out.clear();
         const size_t total = r.prompt.size() + r.output.size() + n_extra;

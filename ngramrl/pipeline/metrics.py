@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 COUNTERS = ("steps", "row_steps", "committed_tokens", "drafts", "drafted_tokens", "lookup_rows", "prefetch_hits",
-            "cut_tokens",
-            "pool_calls", "pool_late_rows", "pool_down_rows", "pool_errors", "pool_reconnects", "pool_prefetch_late",
-            "draft_us_total", "followed_drafts", "followed_accepted")
+            "cut_tokens", "pool_calls", "pool_late_rows", "pool_down_rows", "pool_errors", "pool_reconnects",
+            "pool_prefetch_late", "draft_us_total", "followed_drafts", "followed_accepted")
 
 
 def counters(stats: dict[str, Any] | None) -> dict[str, float]:
