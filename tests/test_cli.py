@@ -102,7 +102,7 @@ def test_bench_steps_writes_its_contract_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["ngramrl_bench_steps"] == 1
     keys = {"trace", "method", "batch", "threads", "steps", "step_us_median", "step_us_mean", "step_us_p99",
-            "request_us_mean", "offpath_us_mean", "tokens_per_forward", "prefetch_coverage"}
+            "request_us_mean", "offpath_us_mean", "tokens_per_forward", "prefetch_coverage", "resumed_misses"}
     assert {(r["method"], r["batch"]) for r in data["runs"]} == {(m, b) for m in methods for b in (1, 3)}
     for run in data["runs"]:
         assert set(run) == keys and run["trace"] == trace and run["steps"] > 0
@@ -115,6 +115,13 @@ def test_bench_steps_writes_its_contract_json(tmp_path, capsys):
             assert coverage == 0.0
         else:
             assert 0.0 <= coverage <= 1.0
+        resumed = run["resumed_misses"]
+        if run["method"] == "suffix":
+            assert resumed is None
+        elif run["method"] == "ngramrl":
+            assert resumed in (0.0, None)  # no prefetch walked anything (None: the reference core)
+        else:
+            assert resumed is None or 0.0 <= resumed <= 1.0
     assert "ngramrl" in capsys.readouterr().out
     assert data["draft_always"] is False
 

@@ -63,6 +63,18 @@ def prefetch_coverage(proposer: object) -> float | None:
     return round(stats.prefetch_hits / stats.lookup_rows, 4) if stats.lookup_rows else 0.0
 
 
+def resumed_misses(proposer: object) -> float | None:
+    """Of the phase's lookups that missed the prefetch, the fraction that resumed from the match
+    states the prefetch's outcome model had walked (None where the core does not count them: the
+    reference core, SuffixDecoding)."""
+    stats, core = getattr(proposer, "stats", None), getattr(proposer, "core", None)
+    timings = core.timings() if hasattr(core, "timings") else {}
+    if stats is None or "resumed_lookups" not in timings:
+        return None
+    misses = stats.lookup_rows - stats.prefetch_hits
+    return round(timings["resumed_lookups"] / misses, 4) if misses else 0.0
+
+
 def default_profile(k: int) -> StepProfile:
     return roofline_profile("h100", MODEL_SHAPES["qwen3-8b"], k=k)
 
@@ -96,13 +108,15 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                        "threads": config.threads if method.startswith("ngramrl") else 1,
                        **{key: round(value, 3) if isinstance(value, float) else value
                           for key, value in asdict(summary).items()},
-                       "prefetch_coverage": prefetch_coverage(engine.proposer)}
+                       "prefetch_coverage": prefetch_coverage(engine.proposer),
+                       "resumed_misses": resumed_misses(engine.proposer)}
                 runs.append(run)
                 log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} steps {run['steps']:>5}  "
                     f"step {run['step_us_median']:>9.1f} / {run['step_us_mean']:>9.1f} / {run['step_us_p99']:>9.1f} us "
                     f"(median/mean/p99)  {run['request_us_mean']:>6.1f} us/request  offpath "
                     f"{run['offpath_us_mean']:>8.1f} us  tok/fwd {run['tokens_per_forward']:.3f}"
-                    + ("" if run["prefetch_coverage"] is None else f"  prefetched {run['prefetch_coverage']:.3f}"))
+                    + ("" if run["prefetch_coverage"] is None else f"  prefetched {run['prefetch_coverage']:.3f}")
+                    + ("" if run["resumed_misses"] is None else f"  misses resumed {run['resumed_misses']:.3f}"))
     result = {"ngramrl_bench_steps": BENCH_STEPS_VERSION, "runs": runs,
               "profile": {"source": profile.source, "model": profile.model.get("name"),
                           "device": profile.device.get("name"), "path": config.profile},

@@ -25,6 +25,7 @@ constexpr int32_t NO_TOKEN = -1;
 struct Match {
     int32_t state = ROOT;
     int32_t matched = 0;
+    bool operator==(const Match& o) const { return state == o.state && matched == o.matched; }
 };
 
 inline uint64_t next_serial() {

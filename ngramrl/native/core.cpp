@@ -169,6 +169,32 @@ struct LookState {
     Tokens global_behind;
 };
 
+struct Stamp {
+    int64_t layout;
+    uint64_t index_serial;
+    int64_t index_tokens;
+    uint64_t global_serial;
+    int64_t global_tokens;
+    bool operator==(const Stamp& o) const {
+        return layout == o.layout && index_serial == o.index_serial && index_tokens == o.index_tokens &&
+               global_serial == o.global_serial && global_tokens == o.global_tokens;
+    }
+};
+
+// The match states the outcome model walked for a request's draft: after d_1..d_j for each j it
+// read, in its prompt's index and in the cross-prompt one. A miss that committed d_1..d_j + [b]
+// resumes from them (one automaton step) instead of catching up from the old context: the same
+// state, since Automaton::step is what the catch-up does token by token.
+struct Walked {
+    uint64_t generation = 0;  // the prefetch that walked them (0: none)
+    Stamp stamp{};            // what they read
+    Match from, global_from;  // the request's match states they started from
+    size_t global_behind = 0;
+    bool global = false;      // whether the cross-prompt chain was walked
+    Tokens draft;
+    std::vector<Match> prompt_chain, global_chain;  // [j]: after draft[:j]
+};
+
 struct Request {
     int64_t handle;
     std::string prompt_id;
@@ -185,6 +211,7 @@ struct Request {
     std::vector<double> follow_probs;
     int32_t follow_matched = 0;
     uint64_t seen_in_call = 0;  // the last checked call that named this request (each row once per call)
+    Walked walked;
 };
 
 struct DrafterConfig {
@@ -199,17 +226,6 @@ struct PrefetchConfig {
     int32_t levels = 3;
 };
 
-struct Stamp {
-    int64_t layout;
-    uint64_t index_serial;
-    int64_t index_tokens;
-    uint64_t global_serial;
-    int64_t global_tokens;
-    bool operator==(const Stamp& o) const {
-        return layout == o.layout && index_serial == o.index_serial && index_tokens == o.index_tokens &&
-               global_serial == o.global_serial && global_tokens == o.global_tokens;
-    }
-};
 
 struct CacheKey {
     int64_t handle;
@@ -412,6 +428,7 @@ public:
         if (any_k) absorb_rows(reqs, order, pool_);
         drafts_.resize(rows);
         hits_.assign(rows, 0);
+        resumed_.assign(rows, 0);
         lookups_.clear();
         // A row whose index is current (the layout has not moved since it was found, nothing is
         // pending) commits without touching anything shared: those rows commit on any thread. The
@@ -481,6 +498,7 @@ public:
                 }
         timings_["step_ns"] += now_ns() - begin;
         timings_["step_rows"] += static_cast<int64_t>(rows);
+        timings_["resumed_lookups"] += std::count(resumed_.begin(), resumed_.end(), uint8_t{1});
     }
 
     std::pair<int64_t, int64_t> followed() {
@@ -565,6 +583,7 @@ public:
             if (!first.empty()) timed_absorb(first);
             cache_.clear();
             outcomes_.clear();
+            ++prefetches_;
             run_prefetch(reqs, tokens, offsets, probs, k);
         });
     }
@@ -692,7 +711,7 @@ private:
                                   // that a core stays with the thread that runs the forward meanwhile
     std::vector<std::unique_ptr<Request>> requests_;
     std::vector<DraftOut> drafts_;
-    std::vector<uint8_t> hits_;
+    std::vector<uint8_t> hits_, resumed_;
     std::vector<int32_t> lookups_;
     struct Prefetched {
         int32_t row;
@@ -703,12 +722,14 @@ private:
     std::vector<uint8_t> wants_lookup_, done_;  // a step's rows: still to look up; committed already
     std::unordered_map<CacheKey, int32_t, CacheKeyHash> cache_;  // -> index into outcomes_
     bool cache_valid_ = false;  // the last prefetch's, not used by a step yet
+    uint64_t prefetches_ = 0;   // prefetches run (the generation of Walked states)
     std::vector<Prefetched> outcomes_;
     std::atomic<bool> cancel_{false};
     // Time spent in each kind of work since the core was made (ns), and the rows it covered.
     std::map<std::string, int64_t> timings_{{"step_ns", 0},         {"step_rows", 0},     {"absorb_ns", 0},
                                             {"absorb_rows", 0},     {"plan_ns", 0},       {"plan_rows", 0},
-                                            {"prefetch_lookup_ns", 0}, {"prefetch_lookups", 0}};
+                                            {"prefetch_lookup_ns", 0}, {"prefetch_lookups", 0},
+                                            {"resumed_lookups", 0}};
     Background background_;  // last: joined before the members it uses are destroyed
 
     void join() { background_.wait(); }
@@ -918,6 +939,35 @@ private:
             }
         }
         wants_lookup_[i] = r.known;
+        if (r.known && resumes(r, committed)) resume(r, committed, i);
+    }
+
+    // Whether a row that missed committed an outcome whose match states the last prefetch walked,
+    // from the match states it still has, over the indexes they read.
+    bool resumes(const Request& r, const Tokens& committed) const {
+        const Walked& w = r.walked;
+        if (!cache_valid_ || w.generation != prefetches_ || committed.empty()) return false;
+        const size_t j = committed.size() - 1;
+        return j < w.prompt_chain.size() && r.ls.match == w.from && r.ls.behind.size() == committed.size() &&
+               std::equal(committed.begin(), committed.begin() + j, w.draft.begin()) && w.stamp == stamp(r);
+    }
+
+    // catch_up's result from the walked states (the cross-prompt one only where catch_up would
+    // advance rather than re-match the recent context).
+    void resume(Request& r, const Tokens& committed, size_t i) {
+        const Walked& w = r.walked;
+        const size_t j = committed.size() - 1;
+        const int32_t b = committed.back();
+        r.ls.match = r.index->step(w.prompt_chain[j], b);
+        r.ls.behind.clear();
+        Automaton* global = history_.built_global();
+        if (w.global && r.ls.global == global && global && r.ls.global_serial == global->serial &&
+            r.ls.global_match == w.global_from && r.ls.global_behind.size() == w.global_behind + committed.size() &&
+            static_cast<int32_t>(r.ls.global_behind.size()) <= config_.rematch_tokens) {
+            r.ls.global_match = global->step(w.global_chain[j], b);
+            r.ls.global_behind.clear();
+        }
+        resumed_[i] = 1;
     }
 
     // The last ``n`` tokens of prompt + output + extra.
@@ -992,7 +1042,7 @@ private:
     }
 
     // The outcome model for row i of a prefetch (ReferenceCore._caught_up, then predict_for): reads only.
-    void predict_row(const Request& r, const Tokens& tokens, int64_t begin, int64_t end, const std::vector<double>& probs,
+    void predict_row(Request& r, const Tokens& tokens, int64_t begin, int64_t end, const std::vector<double>& probs,
                      Automaton* global, std::vector<OutcomeOut>& out) const {
         thread_local std::vector<double> chances;
         LookState probe;
@@ -1020,8 +1070,21 @@ private:
         const int32_t length = static_cast<int32_t>(end - begin);
         chances.resize(length);
         for (int32_t j = 0; j < length; ++j) chances[j] = calibration_.chance(j, probs[begin + j]);
+        Walked& w = r.walked;
+        w.generation = 0;
+        std::vector<Match>* chains_out[2] = {&w.prompt_chain, &w.global_chain};
         predict_outcomes(sources, num_sources, tokens.data() + begin, length, chances.data(), prefetch_.allocate.budget,
-                         prefetch_.levels, out);
+                         prefetch_.levels, out, chains_out);
+        if (!r.ls.behind.empty()) return;  // the next commit replaces what the walk started from
+        w.generation = prefetches_;
+        w.stamp = stamp(r);
+        w.from = r.ls.match;
+        // The cross-prompt chain resumes what catch_up would advance, not what it would re-match.
+        w.global = num_sources == 2 && static_cast<int32_t>(r.ls.global_behind.size()) <= config_.rematch_tokens;
+        w.global_from = r.ls.global_match;
+        w.global_behind = r.ls.global_behind.size();
+        w.draft.assign(tokens.begin() + begin, tokens.begin() + end);
+        if (!w.global) w.global_chain.clear();
     }
 
     // The draft the next step makes for the request if it commits draft[:j] + [b] (ReferenceCore._committed).
@@ -1079,7 +1142,7 @@ private:
             background_pool_.run(rows.size(), [&](size_t n) {
                 if (cancel_.load(std::memory_order_relaxed)) return;
                 const int64_t t0 = now_ns();
-                const Request& r = *reqs[rows[n]];
+                Request& r = *reqs[rows[n]];
                 std::vector<std::vector<OutcomeOut>> candidates(1), chosen;
                 predict_row(r, tokens, offsets[rows[n]], offsets[rows[n] + 1], probs, global, candidates[0]);
                 allocate(candidates, {r.handle}, alloc, chosen);
@@ -1111,7 +1174,7 @@ private:
                     cancelled.store(true, std::memory_order_relaxed);
                     return;
                 }
-                const Request& r = *reqs[rows[n]];
+                Request& r = *reqs[rows[n]];
                 keys[n] = r.handle;
                 predict_row(r, tokens, offsets[rows[n]], offsets[rows[n] + 1], probs, global, candidates[n]);
             });

@@ -595,10 +595,14 @@ inline bool outcome_less(const OutcomeOut& x, const OutcomeOut& y) {  // Python'
     return x.token < y.token;
 }
 
-// outcome.predict_outcomes: the ``limit`` most probable (j, b), most probable first.
+// outcome.predict_outcomes: the ``limit`` most probable (j, b), most probable first. ``walked``
+// (optional, one per source): the match states after tokens[:j] for each j it read.
 inline void predict_outcomes(const SourceMatch* sources, size_t num_sources, const int32_t* tokens, int32_t k,
-                             const double* chances, int32_t limit, int32_t levels, std::vector<OutcomeOut>& out) {
+                             const double* chances, int32_t limit, int32_t levels, std::vector<OutcomeOut>& out,
+                             std::vector<Match>* const* walked = nullptr) {
     out.clear();
+    if (walked)
+        for (size_t s = 0; s < num_sources; ++s) walked[s]->clear();
     if (limit <= 0 || num_sources == 0) return;
     thread_local std::vector<double> p_accepted;
     thread_local std::vector<int32_t> order;
@@ -648,6 +652,8 @@ inline void predict_outcomes(const SourceMatch* sources, size_t num_sources, con
         }
     }
     std::sort(out.begin(), out.end(), [](const OutcomeOut& x, const OutcomeOut& y) { return outcome_less(y, x); });
+    if (walked)
+        for (size_t s = 0; s < num_sources; ++s) walked[s]->assign(chains[s].begin(), chains[s].end());
 }
 
 // outcome.AcceptanceCalibration: acceptance per (position bucket, estimate decile).

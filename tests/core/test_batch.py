@@ -296,11 +296,12 @@ def test_a_stopped_prefetch_leaves_its_drafts_to_the_next_step():
         assert core.step([h], committed, [0, len(committed)], [4]).prefetched[0]
 
 
-def trace_run(path: str, batch: int, limit: int, threads: int) -> int:
+def trace_run(path: str, batch: int, limit: int, threads: int) -> tuple[int, int]:
     """Epoch 3 of a trace (or its last, if earlier: three epochs of history, before an RL run's
     policy has converged and its drafts match whole rollouts) with ``batch`` requests in flight,
     each step committing what the draft matched of the rollout plus its next token; both cores
-    side by side."""
+    side by side. Returns the steps, and the native core's lookups that resumed from the match
+    states its outcome model walked."""
     trace = read_trace(path)
     stops = tuple(trace.header.eos_token_ids)
     config = (HistoryConfig(), DrafterConfig(stop_tokens=stops), PrefetchConfig(budget=4))
@@ -344,12 +345,14 @@ def trace_run(path: str, batch: int, limit: int, threads: int) -> int:
                 del live[h]
         steps += 1
     same_state(ref, nat, path)
-    return steps
+    return steps, nat.timings()["resumed_lookups"]
 
 
 @pytest.mark.parametrize("path", builtin_traces(), ids=os.path.basename)
 def test_native_equals_reference_on_shipped_traces(path):
-    assert trace_run(path, batch=16, limit=48, threads=2) > 20
+    steps, resumed = trace_run(path, batch=16, limit=48, threads=2)
+    assert steps > 20
+    assert resumed > 0  # the drafts above were also made from walked match states
 
 
 @pytest.mark.parametrize("native_core", [False, True], ids=["reference", "native"])
