@@ -84,6 +84,30 @@ class DraftBatch:
         return [Draft(tokens[offsets[i]:offsets[i + 1]], probs[offsets[i]:offsets[i + 1]], matched, SOURCES[source])
                 for i, (matched, source) in enumerate(zip(self.matched.tolist(), self.source.tolist(), strict=True))]
 
+    def lists(self, size: int, positions: Any, rows: Any) -> list[list[int]]:
+        """``size`` lists of token ids (vLLM's drafts): list ``positions[i]`` holds row ``rows[i]``'s
+        draft, every other list is empty, and each is its own object (vLLM trims them in place).
+        Built in C++ where the native core is built (a list of lists is one Python object per
+        row and per token, most of a big batch's time outside the core in Python)."""
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        native = native_module()
+        if native is not None:
+            return native.draft_lists(int(size), positions, rows, np.ascontiguousarray(self.tokens, dtype=np.int32),
+                                      np.ascontiguousarray(self.offsets, dtype=np.int64))
+        if len(positions) != len(rows):
+            raise ValueError(f"draft_lists: {len(positions)} positions but {len(rows)} rows")
+        if len(positions) and (positions.min() < 0 or positions.max() >= size):
+            raise ValueError(f"draft_lists: a position outside 0..{size - 1}")
+        if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
+            raise ValueError(f"draft_lists: a row outside 0..{len(self) - 1}")
+        out: list[list[int]] = [[] for _ in range(size)]
+        tokens = self.tokens.tolist()
+        begins, ends = self.offsets[rows].tolist(), self.offsets[rows + 1].tolist()
+        for position, begin, end in zip(positions.tolist(), begins, ends, strict=True):
+            out[position] = tokens[begin:end]
+        return out
+
     def truncated(self, lengths: Any) -> DraftBatch:
         """Each row's first ``lengths[i]`` tokens (at most all of them)."""
         sizes = np.diff(self.offsets)
@@ -516,7 +540,7 @@ def native_module() -> Any | None:
             raise ImportError("NGRAMRL_NATIVE=0")
         from ngramrl import _native
 
-        if not hasattr(_native.Core, "wait_idle"):  # the newest method: an extension built from older sources
+        if not hasattr(_native, "draft_lists"):  # the newest function: an extension built from older sources
             raise ImportError("ngramrl._native was built from older sources than ngramrl's; rebuild it "
                               "(pip install -e . or python setup.py build_ext --inplace)")
     except ImportError as err:

@@ -309,12 +309,8 @@ class NgramRLProposer:
         self.stats.drafts += int(np.count_nonzero(valid))
         self.stats.drafted_tokens += int(valid.sum())
         self._verified_tokens = int(valid.sum())  # draft tokens the next forward verifies
-        drafts: list[list[int]] = [[] for _ in sampled_token_ids]  # one list each: vLLM trims them in place
         with_draft = np.flatnonzero(valid)
-        tokens = sent.tokens.tolist()
-        for position, start, end in zip(rows.index[with_draft].tolist(), sent.offsets[with_draft].tolist(),
-                                        sent.offsets[with_draft + 1].tolist(), strict=True):
-            drafts[position] = tokens[start:end]
+        drafts = sent.lists(len(sampled_token_ids), rows.index[with_draft], with_draft)
         # Requests that left enter the history once this step's drafts are made: the work (their
         # rollouts into the prompt's and the cross-prompt index) then runs with the step's inserts,
         # during the forward, and before the prefetch, whose drafts stay valid only while the

@@ -1228,8 +1228,57 @@ private:
 
 using namespace ngramrl;
 
+// ngramrl.core.native.draft_lists: ``size`` lists, list positions[i] holding
+// tokens[offsets[rows[i]]:offsets[rows[i] + 1]], the others empty (vLLM's drafts, one list per row).
+py::list draft_lists(int64_t size, const I64& positions, const I64& rows, const I32& tokens, const I64& offsets) {
+    const int64_t n = positions.size(), num_offsets = offsets.size(), num_tokens = tokens.size();
+    if (size < 0) throw py::value_error("draft_lists: size " + std::to_string(size) + " < 0");
+    if (rows.size() != n)
+        throw py::value_error("draft_lists: " + std::to_string(n) + " positions but " + std::to_string(rows.size()) +
+                              " rows");
+    const int64_t* at = positions.data();
+    const int64_t* row = rows.data();
+    const int64_t* off = offsets.data();
+    for (int64_t i = 0; i < n; ++i) {
+        if (at[i] < 0 || at[i] >= size)
+            throw py::value_error("draft_lists: position " + std::to_string(at[i]) + " (entry " + std::to_string(i) +
+                                  ") outside 0.." + std::to_string(size - 1));
+        if (row[i] < 0 || row[i] + 1 >= num_offsets || off[row[i]] < 0 || off[row[i]] > off[row[i] + 1] ||
+            off[row[i] + 1] > num_tokens)
+            throw py::value_error("draft_lists: row " + std::to_string(row[i]) + " (entry " + std::to_string(i) +
+                                  ") has no token range in " + std::to_string(num_offsets) + " offsets over " +
+                                  std::to_string(num_tokens) + " tokens");
+    }
+    const int32_t* tok = tokens.data();
+    PyObject* out = PyList_New(size);
+    if (out == nullptr) throw py::error_already_set();
+    py::list result = py::reinterpret_steal<py::list>(out);
+    for (int64_t p = 0; p < size; ++p) {
+        PyObject* empty = PyList_New(0);
+        if (empty == nullptr) throw py::error_already_set();
+        PyList_SET_ITEM(out, p, empty);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t begin = off[row[i]], end = off[row[i] + 1];
+        PyObject* list = PyList_New(end - begin);
+        if (list == nullptr) throw py::error_already_set();
+        for (int64_t t = begin; t < end; ++t) {
+            PyObject* value = PyLong_FromLong(tok[t]);
+            if (value == nullptr) {
+                Py_DECREF(list);
+                throw py::error_already_set();
+            }
+            PyList_SET_ITEM(list, t - begin, value);
+        }
+        PyList_SetItem(out, at[i], list);  // drops the empty list it replaces
+    }
+    return result;
+}
+
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
+    m.def("draft_lists", &draft_lists, py::arg("size"), py::arg("positions"), py::arg("rows"), py::arg("tokens"),
+          py::arg("offsets"));
     py::class_<Core>(m, "Core")
         .def(py::init([](int64_t rollouts_per_prompt, int64_t epochs_kept, int64_t max_tokens, int64_t prompt_tail,
                          int32_t max_draft, double min_confidence, int32_t min_match, int32_t rematch_tokens,

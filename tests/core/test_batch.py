@@ -20,7 +20,8 @@ import pytest
 
 from ngramrl.bench.run import builtin_traces
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
-from ngramrl.core.batch import DraftBatch, OutcomeBatch, ReferenceCore, as_rows, make_core
+from ngramrl.core.batch import DraftBatch, OutcomeBatch, ReferenceCore, as_rows, make_core, native_module
+from ngramrl.core.drafter import Draft
 from ngramrl.core.trace import read_trace
 
 native = pytest.importorskip("ngramrl._native", reason="the native core is not built (pip install . builds it)")
@@ -408,7 +409,7 @@ def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
     import ngramrl
     from ngramrl.core.batch import make_core, native_module
 
-    stale = SimpleNamespace(Core=type("Core", (), {}))  # no wait_idle: built before it existed
+    stale = SimpleNamespace(Core=type("Core", (), {}))  # no draft_lists: built before it existed
     monkeypatch.setitem(sys.modules, "ngramrl._native", stale)
     monkeypatch.setattr(ngramrl, "_native", stale, raising=False)
     assert native_module() is None
@@ -496,3 +497,33 @@ def test_chains_chosen_from_trees_are_the_same_in_both_cores(path_width):
             assert a == b, (seed, p)
             drafted += len(a)
     assert drafted > 10
+
+
+@pytest.mark.parametrize("native_lists", [False, True], ids=["python", "native"])
+def test_draft_lists_give_each_row_its_draft_in_its_own_list(native_lists, monkeypatch):
+    """vLLM's drafts: one list object per batch row (it trims them in place), the rows with a draft
+    holding their tokens, the rest empty; the same from the C++ builder and the Python one."""
+    if not native_lists:
+        monkeypatch.setenv("NGRAMRL_NATIVE", "0")
+    assert (native_module() is not None) == native_lists
+    rng = random.Random(5)
+    drafts = []
+    for _ in range(40):
+        tokens = [rng.randrange(50_000) for _ in range(rng.randrange(0, 9))]
+        drafts.append(Draft(tokens, [0.5] * len(tokens), 0, "prompt"))
+    batch = DraftBatch.from_drafts(drafts)
+    rows = [r for r in range(len(drafts)) if drafts[r].tokens]
+    positions = rng.sample(range(100), len(rows))
+    lists = batch.lists(100, positions, rows)
+    assert len(lists) == 100 and len({id(x) for x in lists}) == 100
+    expected = [[] for _ in range(100)]
+    for position, row in zip(positions, rows, strict=True):
+        expected[position] = drafts[row].tokens
+    assert lists == expected and all(type(t) is int for x in lists for t in x)
+    assert batch.lists(0, [], []) == []
+    with pytest.raises(ValueError, match="position"):
+        batch.lists(10, [10], [rows[0]])
+    with pytest.raises(ValueError, match="row"):
+        batch.lists(10, [0], [len(drafts)])
+    with pytest.raises(ValueError, match="positions but"):
+        batch.lists(10, [0, 1], [rows[0]])
