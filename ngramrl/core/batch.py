@@ -39,6 +39,7 @@ otherwise it looks up again, so a prefetched draft is always the synchronous one
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 from collections.abc import Sequence
@@ -532,6 +533,24 @@ def _ints(values: Any) -> list[int]:
 _native_warned = False
 
 
+def flatten_rows(lists: list[list[int]], index: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The token lists ``lists[index[i]]`` (vLLM's sampled tokens per row), flat as int32, and
+    their offsets (int64, one more than the rows): one C++ pass where the native core is built."""
+    index = np.ascontiguousarray(index, dtype=np.int64)
+    native = native_module() if isinstance(lists, list) else None
+    if native is not None:
+        try:
+            return native.flatten_rows(lists, index)
+        except TypeError:  # rows that are not lists (tuples, arrays): the general path below
+            pass
+    if len(index) and (index.min() < 0 or index.max() >= len(lists)):
+        raise ValueError(f"flatten_rows: an index outside 0..{len(lists) - 1}")
+    chosen = [lists[i] for i in index.tolist()]
+    offsets = np.zeros(len(chosen) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, chosen), np.int64, len(chosen)), out=offsets[1:])
+    return np.fromiter(itertools.chain.from_iterable(chosen), np.int32, int(offsets[-1])), offsets
+
+
 def native_module() -> Any | None:
     """The compiled core, or None (one logged line the first time) when it is not built."""
     global _native_warned
@@ -540,7 +559,7 @@ def native_module() -> Any | None:
             raise ImportError("NGRAMRL_NATIVE=0")
         from ngramrl import _native
 
-        if not hasattr(_native, "draft_lists"):  # the newest function: an extension built from older sources
+        if not hasattr(_native, "flatten_rows"):  # the newest function: an extension built from older sources
             raise ImportError("ngramrl._native was built from older sources than ngramrl's; rebuild it "
                               "(pip install -e . or python setup.py build_ext --inplace)")
     except ImportError as err:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
-from ngramrl.core.batch import DraftBatch
+from ngramrl.core.batch import DraftBatch, flatten_rows
 from ngramrl.core.cost import StepCostModel, drafting_pays
 from ngramrl.engine.sources import CoreSource, DraftSource, StepRows
 
@@ -338,10 +338,7 @@ class NgramRLProposer:
         drafting = known & (sizes > 0)
         index = np.flatnonzero(drafting) if order is None else order[drafting[order]]
         every = order is None and len(index) == len(batch)
-        offsets = np.zeros(len(index) + 1, dtype=np.int64)
-        np.cumsum(sizes[index], out=offsets[1:])
-        chosen = sampled_token_ids if every else [sampled_token_ids[i] for i in index.tolist()]
-        tokens = np.fromiter(itertools.chain.from_iterable(chosen), np.int32, int(offsets[-1]))
+        tokens, offsets = flatten_rows(sampled_token_ids, index)
         room = self.max_model_len - np.asarray(num_tokens_no_spec[:len(batch)], dtype=np.int64)[index] - 1
         if every:
             req_ids, requests = list(batch), states

@@ -1275,8 +1275,41 @@ py::list draft_lists(int64_t size, const I64& positions, const I64& rows, const 
     return result;
 }
 
+// ngramrl.core.batch.flatten_rows: the token lists lists[index[i]], flat, with their offsets.
+py::tuple flatten_rows(const py::list& lists, const I64& index) {
+    const int64_t n = index.size(), size = static_cast<int64_t>(PyList_GET_SIZE(lists.ptr()));
+    const int64_t* at = index.data();
+    py::array_t<int64_t> offsets(static_cast<py::ssize_t>(n + 1));
+    int64_t* off = offsets.mutable_data();
+    off[0] = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (at[i] < 0 || at[i] >= size)
+            throw py::value_error("flatten_rows: index " + std::to_string(at[i]) + " (entry " + std::to_string(i) +
+                                  ") outside 0.." + std::to_string(size - 1));
+        PyObject* row = PyList_GET_ITEM(lists.ptr(), at[i]);
+        if (!PyList_Check(row))
+            throw py::type_error("flatten_rows: row " + std::to_string(at[i]) + " is not a list");
+        off[i + 1] = off[i] + static_cast<int64_t>(PyList_GET_SIZE(row));
+    }
+    py::array_t<int32_t> tokens(static_cast<py::ssize_t>(off[n]));
+    int32_t* out = tokens.mutable_data();
+    for (int64_t i = 0; i < n; ++i) {
+        PyObject* row = PyList_GET_ITEM(lists.ptr(), at[i]);
+        for (int64_t t = 0; t < off[i + 1] - off[i]; ++t) {
+            const long value = PyLong_AsLong(PyList_GET_ITEM(row, t));
+            if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
+            if (value < INT32_MIN || value > INT32_MAX)
+                throw py::value_error("flatten_rows: token " + std::to_string(value) + " of row " +
+                                      std::to_string(at[i]) + " is not an int32");
+            out[off[i] + t] = static_cast<int32_t>(value);
+        }
+    }
+    return py::make_tuple(tokens, offsets);
+}
+
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
+    m.def("flatten_rows", &flatten_rows, py::arg("lists"), py::arg("index"));
     m.def("draft_lists", &draft_lists, py::arg("size"), py::arg("positions"), py::arg("rows"), py::arg("tokens"),
           py::arg("offsets"));
     py::class_<Core>(m, "Core")

@@ -20,7 +20,7 @@ import pytest
 
 from ngramrl.bench.run import builtin_traces
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
-from ngramrl.core.batch import DraftBatch, OutcomeBatch, ReferenceCore, as_rows, make_core, native_module
+from ngramrl.core.batch import DraftBatch, OutcomeBatch, ReferenceCore, as_rows, flatten_rows, make_core, native_module
 from ngramrl.core.drafter import Draft
 from ngramrl.core.trace import read_trace
 
@@ -409,7 +409,7 @@ def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
     import ngramrl
     from ngramrl.core.batch import make_core, native_module
 
-    stale = SimpleNamespace(Core=type("Core", (), {}))  # no draft_lists: built before it existed
+    stale = SimpleNamespace(Core=type("Core", (), {}))  # no flatten_rows: built before it existed
     monkeypatch.setitem(sys.modules, "ngramrl._native", stale)
     monkeypatch.setattr(ngramrl, "_native", stale, raising=False)
     assert native_module() is None
@@ -527,3 +527,20 @@ def test_draft_lists_give_each_row_its_draft_in_its_own_list(native_lists, monke
         batch.lists(10, [0], [len(drafts)])
     with pytest.raises(ValueError, match="positions but"):
         batch.lists(10, [0, 1], [rows[0]])
+
+
+@pytest.mark.parametrize("native_rows", [False, True], ids=["python", "native"])
+def test_flatten_rows_gives_the_chosen_rows_tokens_flat(native_rows, monkeypatch):
+    if not native_rows:
+        monkeypatch.setenv("NGRAMRL_NATIVE", "0")
+    assert (native_module() is not None) == native_rows
+    rng = random.Random(6)
+    lists = [[rng.randrange(150_000) for _ in range(rng.randrange(0, 5))] for _ in range(50)]
+    index = [i for i in range(50) if i % 3]
+    tokens, offsets = flatten_rows(lists, index)
+    assert tokens.dtype == np.int32 and offsets.dtype == np.int64
+    assert [tokens[offsets[n]:offsets[n + 1]].tolist() for n in range(len(index))] == [lists[i] for i in index]
+    assert flatten_rows(lists, [])[1].tolist() == [0]
+    assert flatten_rows([tuple(x) for x in lists], index)[0].tolist() == tokens.tolist()  # rows that are not lists
+    with pytest.raises(ValueError, match="index"):
+        flatten_rows(lists, [50])
