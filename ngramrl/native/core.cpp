@@ -226,7 +226,6 @@ struct PrefetchConfig {
     int32_t levels = 3;
 };
 
-
 struct CacheKey {
     int64_t handle;
     int32_t accepted, token;
