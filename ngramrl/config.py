@@ -142,6 +142,8 @@ class PrefetchConfig:
 
 
 PREFETCH_MODES = ("auto", "on", "off")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+ENGINE_DTYPES = ("auto", *MODEL_DTYPES)  # auto: what the engine's device computes fast in
 
 
 @dataclass

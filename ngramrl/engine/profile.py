@@ -135,7 +135,8 @@ def measure_engine_profile(model_dir: str, batches: list[int], tokens: list[int]
 
     return StepProfile(
         source="engine", model={"name": shape.name, "params": shape.params},
-        device={"name": "vllm-cpu" if current_platform.is_cpu() else "vllm", "vllm": vllm.__version__},
+        device={"name": "vllm-cpu" if current_platform.is_cpu() else "vllm", "vllm": vllm.__version__,
+                "dtype": engine.dtype},
         k=k, batches=list(batches), tokens=list(tokens), contexts=contexts, step_ms=table,
         measured=[[[True] * len(contexts) for _ in tokens] for _ in batches], prefill_ms_per_token=prefill_ms,
         host=HostOverhead(0.0, 0.0),

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ngramrl.config import NgramRLConfig
+from ngramrl.config import ENGINE_DTYPES, NgramRLConfig
 from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, config_to_env
 from ngramrl.engine.worker_extension import EXTENSION
@@ -36,7 +36,7 @@ class RolloutEngineConfig:
     draft: str = "ngramrl"                # none, ngramrl, or vLLM's own ngram / suffix for comparison
     num_speculative_tokens: int = 8
     max_model_len: int = 1024
-    dtype: str = "bfloat16"
+    dtype: str = "auto"                   # or float32, bfloat16, float16 (auto: resolve_dtype)
     seed: int = 0
     proposer: str = PROPOSER              # the custom_class behind draft="ngramrl" (the pool's client in the pipeline)
     ngramrl: NgramRLConfig = field(default_factory=NgramRLConfig)
@@ -45,6 +45,8 @@ class RolloutEngineConfig:
     def __post_init__(self) -> None:
         if self.draft not in DRAFT_METHODS:
             raise ValueError(f"draft must be one of {DRAFT_METHODS}, got {self.draft!r}")
+        if self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
 
@@ -76,14 +78,42 @@ def reuse_compiled_model() -> bool:
     return True
 
 
+def cpu_runs_bfloat16() -> bool:
+    """Whether this CPU has the instructions behind PyTorch's bfloat16 matrix kernels (AVX-512 on
+    x86, BF16 on Arm). Without them bfloat16 is emulated: on an AVX2 host a 135M model decoded
+    5-6x slower in bfloat16 than in float32 (docs/pipeline.md)."""
+    import torch
+
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return True if supported is None else bool(supported())
+
+
+def resolve_dtype(dtype: str) -> str:
+    """The dtype an engine runs in. ``auto``: bfloat16 where the hardware computes in it (a GPU
+    with bfloat16, a CPU with ``cpu_runs_bfloat16``), else float16 on a GPU and float32 on a CPU.
+    Called in the engine's process: the engine's device decides, not the driver's."""
+    if dtype != "auto":
+        return dtype
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "bfloat16" if cpu_runs_bfloat16() else "float32"
+    import torch
+
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return "float16"
+    return "bfloat16"
+
+
 class RolloutEngine:
     def __init__(self, config: RolloutEngineConfig) -> None:
         from vllm import LLM
 
         self.config = config
+        self.dtype = resolve_dtype(config.dtype)
         os.environ[CONFIG_ENV] = config_to_env(config.ngramrl)  # reaches the engine process
         reuse_compiled_model()
-        kwargs: dict[str, Any] = dict(model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
+        kwargs: dict[str, Any] = dict(model=config.model, dtype=self.dtype, max_model_len=config.max_model_len,
                                       seed=config.seed, disable_log_stats=False,
                                       worker_extension_cls=EXTENSION)  # the proposer's stats and history
         spec = config.speculative_config()

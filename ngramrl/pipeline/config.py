@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from ngramrl.config import NgramRLConfig, describe, fits
+from ngramrl.config import ENGINE_DTYPES, MODEL_DTYPES, NgramRLConfig, describe, fits
 
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
 WORKLOADS = ("gsm", "bfcl", "spider", "reasoning_gym")
@@ -76,13 +76,14 @@ def check_model_path(path: str) -> None:
 @dataclass
 class ModelSection:
     path: str = "smollm2-135m-instruct"   # a HF model directory, or a built-in name (shipped in a package)
-    rollout_dtype: str = "bfloat16"       # what vLLM generates in
+    rollout_dtype: str = "auto"           # what vLLM generates in; auto: bfloat16 where the engine's device
+    #                                       computes in it, else float16 (GPU) or float32 (CPU)
     train_dtype: str = "float32"          # the trainer's master weights
 
     def __post_init__(self) -> None:
-        for name in ("rollout_dtype", "train_dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
+        for name, allowed in (("rollout_dtype", ENGINE_DTYPES), ("train_dtype", MODEL_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         check_model_path(self.path)
 
 

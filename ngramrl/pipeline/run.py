@@ -209,13 +209,16 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         trainer_ready = [t.setup.remote(master, port) for t in trainers]
         _wait(ray, [w.eos_token_ids.remote() for w in workers] + trainer_ready,  # all up (errors surface here)
               "starting the rollout engines and trainers", limit)
+        engine_dtype = _engine_dtype(_wait(ray, [w.dtype.remote() for w in workers], "the engines' dtype", limit),
+                                     config.model.rollout_dtype)
         trace = TraceWriter(os.path.join(output_dir, TRACE_FILE), TraceHeader(
             vocab_size=len(tokenizer), eos_token_ids=eos, model=os.path.basename(os.path.normpath(model_dir)),
             workload=config.workload.name, temperature=rollout.temperature, top_p=rollout.top_p,
-            max_tokens=rollout.max_tokens, extra={"ngramrl_run": os.path.basename(output_dir)}))
+            max_tokens=rollout.max_tokens, extra={"ngramrl_run": os.path.basename(output_dir), "dtype": engine_dtype}))
         trace.rollouts.extend(earlier.rollouts)
         visits: dict[str, int] = dict(earlier.next_epoch)  # a prompt's next epoch
         progress = _progress(run.steps, config.tracking.progress)
+        progress.write(f"rollout engines run in {engine_dtype} (model.rollout_dtype: {config.model.rollout_dtype})")
         for step in range(earlier.next_step, earlier.next_step + run.steps):
             chosen = [prompts[(step * rollout.prompts_per_step + i) % len(prompts)]
                       for i in range(rollout.prompts_per_step)]
@@ -259,11 +262,11 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
                                         for rank, t in enumerate(trainers)], f"step {step}'s training", limit)
             progress.set_description(f"step {step}: weights")
             sync_begin = time.perf_counter()
-            gathered = [t.weights.remote() for t in trainers]  # every rank joins the gather (ZeRO-3)
+            gathered = [t.weights.remote(engine_dtype) for t in trainers]  # every rank joins the gather (ZeRO-3)
             _wait(ray, [w.load_weights.remote(gathered[0]) for w in workers] + gathered[1:],
                   f"step {step}'s weight sync", limit)
             sync_seconds = time.perf_counter() - sync_begin
-            sync_error, checksum = _weight_sync_error(ray, trainers, workers, min(limit, 300))
+            sync_error, checksum = _weight_sync_error(ray, trainers, workers, engine_dtype, min(limit, 300))
             if pool is not None and config.pool.save_every and (step + 1) % config.pool.save_every == 0:
                 pool.save()
             health = pool.health() if pool is not None else []
@@ -345,10 +348,21 @@ def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]
 CHECKED_WEIGHTS = ["model.embed_tokens.weight"]
 
 
-def _weight_sync_error(ray: Any, trainers: list[Any], workers: list[Any], timeout_s: float) -> tuple[float, float]:
+def _engine_dtype(dtypes: list[str], requested: str) -> str:
+    """The one dtype the trainers send weights in: every engine's ``rollout_dtype`` as resolved on
+    its own device. Engines that resolved ``auto`` differently (nodes of different hardware) would
+    each need their own copy of the weights: refused, with what to set."""
+    if len(set(dtypes)) > 1:
+        raise ValueError(f"model.rollout_dtype={requested!r} resolved to {', '.join(dtypes)} on engines "
+                         f"0-{len(dtypes) - 1} (their devices differ): set model.rollout_dtype to one of them")
+    return dtypes[0]
+
+
+def _weight_sync_error(ray: Any, trainers: list[Any], workers: list[Any], dtype: str,
+                       timeout_s: float) -> tuple[float, float]:
     """How far the engines' and the other ranks' weights are from rank 0's, on a parameter all
     name the same; and rank 0's own sum of it. Every rank is asked (a collective under ZeRO-3)."""
-    expected, *others = _wait(ray, [t.param_sums.remote(CHECKED_WEIGHTS) for t in trainers],
+    expected, *others = _wait(ray, [t.param_sums.remote(CHECKED_WEIGHTS, dtype) for t in trainers],
                               "the trainers' weight check", timeout_s)
     worst = 0.0
     for sums in others + _wait(ray, [w.param_sums.remote(CHECKED_WEIGHTS) for w in workers],

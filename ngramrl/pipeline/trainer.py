@@ -13,8 +13,6 @@ from typing import Any
 
 from ngramrl.pipeline.config import ModelSection, TrainerSection
 
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
 
 def _skip_shm_build() -> None:
     """Training on CPUs needs no shared-memory collectives: DeepSpeed uses its shm op only for
@@ -66,8 +64,7 @@ class PolicyTrainer:
         torch.manual_seed(seed)
         self.torch = torch
         self.config = trainer
-        self.rollout_dtype = getattr(torch, DTYPES[model.rollout_dtype])
-        policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, DTYPES[model.train_dtype]))
+        policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, model.train_dtype))
         policy.config.use_cache = False
         self.reference = None
         if trainer.kl_coef > 0:
@@ -186,20 +183,22 @@ class PolicyTrainer:
 
         return deepspeed.zero.GatheredParameters(params, enabled=self.config.zero_stage == 3)
 
-    def param_sums(self, names: list[str]) -> dict[str, float]:
-        """Sums of the named parameters in the rollout dtype (compared with the engines' copies).
+    def param_sums(self, names: list[str], dtype: str) -> dict[str, float]:
+        """Sums of the named parameters in the engines' dtype (compared with the engines' copies).
         Every rank calls it (a collective under ZeRO-3)."""
+        as_engine = getattr(self.torch, dtype)
         named = dict(self.engine.module.named_parameters())
         chosen = [(name, named[name]) for name in names if name in named]
         with self._gathered([param for _, param in chosen]):
-            return {name: float(param.detach().to(self.rollout_dtype).float().sum()) for name, param in chosen}
+            return {name: float(param.detach().to(as_engine).float().sum()) for name, param in chosen}
 
-    def weights(self) -> dict[str, Any] | None:
-        """The policy's weights in the rollout dtype, by HF name (what vLLM's load_weights takes),
+    def weights(self, dtype: str) -> dict[str, Any] | None:
+        """The policy's weights in the engines' dtype, by HF name (what vLLM's load_weights takes),
         on rank 0; None on the others. Every rank calls it (a collective under ZeRO-3)."""
+        as_engine = getattr(self.torch, dtype)
         module = self.engine.module
         with self._gathered(list(module.parameters())):
             if self.rank != 0:
                 return None
-            return {name: tensor.detach().to("cpu", self.rollout_dtype).clone()
+            return {name: tensor.detach().to("cpu", as_engine).clone()
                     for name, tensor in module.state_dict().items()}

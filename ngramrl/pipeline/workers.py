@@ -61,6 +61,10 @@ class RolloutWorker:
     def param_sums(self, names: list[str]) -> dict[str, float]:
         return self.engine.llm.collective_rpc("ngramrl_param_sums", args=(names,))[0]
 
+    def dtype(self) -> str:
+        """The dtype this engine runs in (``rollout_dtype`` resolved on its device)."""
+        return self.engine.dtype
+
     def eos_token_ids(self) -> list[int]:
         tokenizer = self.engine.llm.get_tokenizer()
         return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

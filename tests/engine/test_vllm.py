@@ -207,6 +207,29 @@ def test_cpu_engines_compile_with_the_ordinary_cache(monkeypatch):
     assert os.environ[AOT_ENV] == "1"
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_in_it(monkeypatch, native):
+    """Emulated bfloat16 decodes several times slower than float32 on a CPU without the
+    instructions; a chosen dtype is kept whatever the hardware."""
+    from vllm.platforms import current_platform
+
+    from ngramrl.engine import rollouts
+
+    if not current_platform.is_cpu():
+        pytest.skip("the CPU rule; a GPU engine resolves by its device")
+    monkeypatch.setattr(rollouts, "cpu_runs_bfloat16", lambda: native)
+    assert rollouts.resolve_dtype("auto") == ("bfloat16" if native else "float32")
+    for chosen in ("bfloat16", "float16", "float32"):
+        assert rollouts.resolve_dtype(chosen) == chosen
+
+
+def test_an_unknown_engine_dtype_is_refused_before_the_engine_starts():
+    from ngramrl.engine.rollouts import RolloutEngineConfig
+
+    with pytest.raises(ValueError, match="dtype must be one of .*auto.*'bf16'"):
+        RolloutEngineConfig(model="m", dtype="bf16")
+
+
 def mixed_requests(count, temperature, top_p, top_k, max_tokens, epoch, prompts=PROMPTS, seed_base=0):
     """A batch as users send it: every fourth request greedy, the others sampled, half of those
     seeded; prompts of several lengths."""

@@ -87,6 +87,8 @@ def model_dir(path):
                                  "for a local path, not a Hugging Face id"),
     (["trainer.learning_rate=fast"], "trainer.learning_rate must be a number, got 'fast'"),
     (["run.if_exists=append"], "run: if_exists must be one of refuse, resume, overwrite"),
+    (["model.rollout_dtype=bf16"], "rollout_dtype must be one of auto, float32, bfloat16, float16, got 'bf16'"),
+    (["model.train_dtype=auto"], "train_dtype must be one of float32, bfloat16, float16, got 'auto'"),
 ])
 def test_check_catches_what_would_fail_later(tmp_path, monkeypatch, overrides, message):
     (tmp_path / "a-file").write_text("x")

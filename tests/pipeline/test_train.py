@@ -73,6 +73,9 @@ def test_trace_and_tracking_are_written(faulty_run):
     trace = read_trace(faulty_run.trace_path)
     header, rollouts = trace.header, trace.rollouts
     assert len(rollouts) == 3 * 2 * 4 and header.workload == "gsm"
+    from ngramrl.engine.rollouts import resolve_dtype
+
+    assert header.extra["dtype"] == resolve_dtype("auto")  # what the engines ran in
     assert all(r.reward is not None and r.policy_version is not None for r in rollouts)
     assert {r.epoch for r in rollouts} == {0, 1, 2}
     assert os.path.exists(os.path.join(faulty_run.output_dir, "metrics.jsonl"))
@@ -210,3 +213,12 @@ def _flat(tree, prefix=""):
             yield from _flat(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
+
+
+def test_engines_that_resolve_auto_differently_are_refused_with_what_to_set():
+    from ngramrl.pipeline.run import _engine_dtype
+
+    assert _engine_dtype(["float32", "float32"], "auto") == "float32"
+    with pytest.raises(ValueError, match=r"'auto' resolved to bfloat16, float32 on engines 0-1 .*set "
+                                         r"model.rollout_dtype"):
+        _engine_dtype(["bfloat16", "float32"], "auto")

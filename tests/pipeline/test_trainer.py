@@ -34,18 +34,19 @@ def test_two_ranks_step_together_when_one_rank_has_no_signal(cluster, tiny_model
     try:
         master, port = ray.get(ranks[0].rendezvous.remote(), timeout=WAIT_S)
         ray.get([r.setup.remote(master, port) for r in ranks], timeout=WAIT_S)
-        weights = ray.get([r.weights.remote() for r in ranks], timeout=WAIT_S)
+        weights = ray.get([r.weights.remote("bfloat16") for r in ranks], timeout=WAIT_S)
         assert weights[1] is None
         names = sorted(weights[0])
-        before = ray.get([r.param_sums.remote(names) for r in ranks], timeout=WAIT_S)[0]  # every rank gathers
+        # every rank gathers
+        before = ray.get([r.param_sums.remote(names, "bfloat16") for r in ranks], timeout=WAIT_S)[0]
         # rank 0 learns from two non-flat groups; every sample of rank 1 has zero advantage
         metrics = ray.get([ranks[0].train_step.remote(samples([1.0, -1.0, 0.5, -0.5])),
                            ranks[1].train_step.remote(samples([0.0, 0.0, 0.0, 0.0]))], timeout=WAIT_S)
         assert metrics[0]["trained_samples"] == 4 and metrics[1]["trained_samples"] == 0
-        after = ray.get([r.param_sums.remote(names) for r in ranks], timeout=WAIT_S)
+        after = ray.get([r.param_sums.remote(names, "bfloat16") for r in ranks], timeout=WAIT_S)
         assert after[0] == after[1]                                  # both ranks hold the same policy
         assert any(after[0][n] != before[n] for n in before)        # and it moved
-        weights = ray.get([r.weights.remote() for r in ranks], timeout=WAIT_S)
+        weights = ray.get([r.weights.remote("bfloat16") for r in ranks], timeout=WAIT_S)
         full = {n: float(t.float().sum()) for n, t in weights[0].items()}
         for name, value in after[0].items():  # rank 0 hands out the whole, gathered policy
             assert full[name] == pytest.approx(value, rel=1e-3, abs=1e-3), name
