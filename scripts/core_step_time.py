@@ -4,9 +4,9 @@
         --json docs/results/native_steps.json
 
 The history holds the trace's earlier epochs; its last epoch is replayed with B requests in flight
-(where the epoch has fewer rollouts than B, copies of its prompts: copy c shifts every token but
-the end-of-sequence ones by c times the vocabulary, so copies never draft from each other, and
-each copy gets the same history). Each step commits, per row, what its draft matched of the
+(copies of its prompts make at least 2B requests, so the batch stays full for a while: copy c
+shifts every token but the end-of-sequence ones by c times the vocabulary, so copies never draft
+from each other, and each copy gets the same history). Each step commits, per row, what its draft matched of the
 rollout plus the rollout's next token (what exact verification commits), then a pass over a 32 MB
 buffer stands for the forward and leaves the drafter's data out of the caches, as a real forward
 does. Every row drafts at every step (k tokens): the cost model never switches drafting off.
@@ -22,10 +22,10 @@ Methods, each through the same loop:
 - ``suffix``: SuffixDecoding's C++ cache as vLLM's ``suffix`` method drives it
   (``add_active_response`` then ``speculate`` per row, ``start_request``/``stop_request``).
 
-Prints, per method and B: the critical path per step (median, mean, p99), per request-step, the
-background work per step, the outcome model and allocation per request-step, and tokens per
-forward (which must be the same for ``core`` and ``core-sync``: a prefetched draft is the
-synchronous one).
+Prints, per method and B: the critical path per step (median, mean, p99) and per request-step over
+the steps with B requests in flight (as bench-steps counts them), the background work per step,
+the outcome model and allocation per request-step, and tokens per forward (which must be the same
+for ``core`` and ``core-sync``: a prefetched draft is the synchronous one).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def workload(path: str, batch: int) -> tuple[list[Rollout], list[Rollout], tuple
     keep = frozenset(trace.header.eos_token_ids)
     vocab = max(trace.header.vocab_size, 1 + max(max(r.prompt + r.output, default=0) for r in trace.rollouts))
     replayed = [r for r in trace.rollouts if r.epoch == last]
-    copies = max(1, -(-batch // len(replayed)))
+    copies = max(1, -(-2 * batch // len(replayed)))  # twice B: the batch stays full for a while
 
     def copy(r: Rollout, c: int) -> Rollout:
         shift = c * vocab
@@ -71,6 +71,7 @@ def run_core(path: str, batch: int, k: int, threads: int, prefetch: bool, native
     waiting = list(requests)
     live: dict[int, list] = {}   # handle -> [rollout, position, draft]
     step_ns: list[int] = []
+    in_flight: list[int] = []
     tokens = forwards = 0
     clock = time.perf_counter_ns
     before = core.timings() if native else None
@@ -96,6 +97,7 @@ def run_core(path: str, batch: int, k: int, threads: int, prefetch: bool, native
         np.cumsum([len(c) for c in committed], out=offsets[1:])
         flat = np.fromiter((t for c in committed for t in c), dtype=np.int32, count=int(offsets[-1]))
         ks = np.full(len(handles), k, dtype=np.int32)
+        in_flight.append(len(live))
         # The proposer's call: everything from here to the next forward is on the critical path.
         begin = clock()
         core.stop(cancel=True)
@@ -116,7 +118,7 @@ def run_core(path: str, batch: int, k: int, threads: int, prefetch: bool, native
         for h, r in joined:  # a new request's first token comes from its prefill: no draft yet
             live[h] = [r, 0, []]
     core.collect()
-    out = {"steps": len(step_ns), "tokens_per_forward": tokens / forwards, **_times(step_ns, forwards)}
+    out = {"tokens_per_forward": tokens / forwards, **_times(step_ns, in_flight, batch)}
     if native:
         after = core.timings()
         spent = {key: after[key] - before[key] for key in after}
@@ -143,7 +145,8 @@ def run_suffix(path: str, batch: int, k: int, flush: np.ndarray) -> dict:
         cache.stop_request(f"h{n}")
     waiting = list(enumerate(requests))
     live: dict[str, list] = {}
-    step_ns = []
+    step_ns: list[int] = []
+    in_flight: list[int] = []
     tokens = forwards = 0
     clock = time.perf_counter_ns
     while waiting or live:
@@ -159,6 +162,7 @@ def run_suffix(path: str, batch: int, k: int, flush: np.ndarray) -> dict:
             forwards += 1
             (done if entry[1] >= len(r.output) else rows).append((rid, piece))
         flush.sum()
+        in_flight.append(len(live))
         begin = clock()
         for rid, _ in done:
             cache.stop_request(rid)
@@ -177,7 +181,7 @@ def run_suffix(path: str, batch: int, k: int, flush: np.ndarray) -> dict:
         step_ns.append(clock() - begin)
         for rid, r in joined:
             live[rid] = [r, 0, []]
-    return {"steps": len(step_ns), "tokens_per_forward": tokens / forwards, **_times(step_ns, forwards)}
+    return {"tokens_per_forward": tokens / forwards, **_times(step_ns, in_flight, batch)}
 
 
 def replay_tokens_per_forward(path: str, k: int, native: bool) -> float:
@@ -212,11 +216,17 @@ def replay_tokens_per_forward(path: str, k: int, native: bool) -> float:
     return tokens / forwards
 
 
-def _times(step_ns: list[int], request_steps: int) -> dict:
-    ordered = sorted(step_ns)
-    return {"step_us_median": statistics.median(step_ns) / 1e3, "step_us_mean": statistics.fmean(step_ns) / 1e3,
+def _times(step_ns: list[int], in_flight: list[int], batch: int) -> dict:
+    """The critical path over the steps with ``batch`` requests in flight (as bench-steps counts
+    them: the ramp up and the drain at the end are other batch sizes)."""
+    full = [ns for ns, rows in zip(step_ns, in_flight, strict=True) if rows == batch]
+    if not full:
+        raise ValueError(f"no step had {batch} requests in flight")
+    ordered = sorted(full)
+    return {"steps": len(full), "step_us_median": statistics.median(full) / 1e3,
+            "step_us_mean": statistics.fmean(full) / 1e3,
             "step_us_p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] / 1e3,
-            "request_us_mean": sum(step_ns) / 1e3 / max(1, request_steps)}
+            "request_us_mean": sum(full) / 1e3 / (batch * len(full))}
 
 
 def main() -> None:
