@@ -109,10 +109,27 @@ class DraftBatch:
             out[position] = tokens[begin:end]
         return out
 
-    def truncated(self, lengths: Any) -> DraftBatch:
-        """Each row's first ``lengths[i]`` tokens (at most all of them)."""
+    def truncated(self, lengths: Any, vocab_size: int | None = None) -> DraftBatch:
+        """Each row's first ``lengths[i]`` tokens (at most all of them), and with ``vocab_size`` no
+        further than its first token outside the vocabulary (0..vocab_size - 1): what may go to the
+        target, whose kernels index the vocabulary with the draft's tokens. One C++ pass where the
+        native core is built."""
+        keep = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
+        if len(keep) != len(self):
+            raise ValueError(f"truncated: {len(keep)} lengths for {len(self)} rows")
+        native = native_module()
+        if native is not None:
+            tokens, offsets, probs = native.truncate_rows(
+                np.ascontiguousarray(self.tokens, dtype=np.int32), np.ascontiguousarray(self.offsets, dtype=np.int64),
+                np.ascontiguousarray(self.probs, dtype=np.float64), keep, -1 if vocab_size is None else int(vocab_size))
+            return DraftBatch(tokens, offsets, probs, self.matched, self.source, self.prefetched)
         sizes = np.diff(self.offsets)
-        keep = np.minimum(np.asarray(lengths, dtype=np.int64), sizes)
+        keep = np.clip(keep, 0, sizes)
+        if vocab_size is not None:
+            bad = np.flatnonzero((self.tokens < 0) | (self.tokens >= vocab_size))
+            if len(bad):
+                row = np.searchsorted(self.offsets, bad, side="right") - 1
+                np.minimum.at(keep, row, bad - self.offsets[row])
         position = np.arange(len(self.tokens)) - np.repeat(self.offsets[:-1], sizes)
         mask = position < np.repeat(keep, sizes)
         offsets = np.zeros(len(keep) + 1, dtype=np.int64)
@@ -559,7 +576,7 @@ def native_module() -> Any | None:
             raise ImportError("NGRAMRL_NATIVE=0")
         from ngramrl import _native
 
-        if not hasattr(_native, "flatten_rows"):  # the newest function: an extension built from older sources
+        if not hasattr(_native, "truncate_rows"):  # the newest function: an extension built from older sources
             raise ImportError("ngramrl._native was built from older sources than ngramrl's; rebuild it "
                               "(pip install -e . or python setup.py build_ext --inplace)")
     except ImportError as err:

@@ -135,13 +135,14 @@ class CoreSource:
         if not prefetch_next:
             self.core.absorb(handles)
             return
+        # The rows that looked up; the others (k = 0) have empty drafts, so the tokens stay as they are.
         drafting = rows.ks > 0
-        lengths = np.diff(sent.offsets)
-        offsets = np.zeros(int(drafting.sum()) + 1, dtype=np.int64)
-        np.cumsum(lengths[drafting], out=offsets[1:])
-        mask = np.repeat(drafting, lengths)
-        self.core.prefetch(np.asarray(handles, dtype=np.int64)[drafting], sent.tokens[mask], offsets,
-                           sent.probs[mask], self.k, absorb=handles)
+        if drafting.all():
+            looked, offsets = handles, sent.offsets
+        else:
+            looked = np.asarray(handles, dtype=np.int64)[drafting]
+            offsets = np.append(sent.offsets[:-1][drafting], sent.offsets[-1])
+        self.core.prefetch(looked, sent.tokens, offsets, sent.probs, self.k, absorb=handles)
 
     def lengths(self, drafts: DraftBatch, scale: float, fit: tuple[float, ...], min_gain: float, adaptive: bool,
                 probe_tokens: int) -> tuple[Any, float, bool, bool]:

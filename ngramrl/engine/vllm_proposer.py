@@ -129,17 +129,7 @@ def _vocab_size(vllm_config: Any) -> int | None:
         return None
 
 
-def valid_lengths(drafts: DraftBatch, vocab_size: int | None) -> np.ndarray:
-    """How many leading tokens of each draft are token ids of the target's vocabulary: a draft goes
-    to vLLM only as far as its tokens are valid (its kernels index the vocabulary with them; -1 is
-    its padding)."""
-    upper = vocab_size if vocab_size is not None else 1 << 62
-    bad = np.flatnonzero((drafts.tokens < 0) | (drafts.tokens >= upper))
-    valid = np.diff(drafts.offsets)
-    if len(bad):
-        row = np.searchsorted(drafts.offsets, bad, side="right") - 1
-        np.minimum.at(valid, row, bad - drafts.offsets[row])
-    return valid
+NO_VOCAB_BOUND = 1 << 62  # the bound on token ids where the vocabulary's size is not known
 
 
 def _eos_ids(vllm_config: Any) -> tuple[int, ...]:
@@ -299,12 +289,14 @@ class NgramRLProposer:
         self.stats.expected_accepted += expected
         decay = self.config.prefetch.calibration_decay  # recent steps count: acceptance drifts
         self._delivered = [decay * self._delivered[0], decay * self._delivered[1] + expected]
+        # A draft goes to vLLM only as far as its tokens are ids of the target's vocabulary (its
+        # kernels index the vocabulary with them; -1 is its padding).
         sizes = np.diff(made.offsets)
         kept = np.minimum(lengths, sizes)
-        valid = np.minimum(kept, valid_lengths(made, self.vocab_size))
+        sent = made.truncated(kept, self.vocab_size if self.vocab_size is not None else NO_VOCAB_BOUND)
+        valid = np.diff(sent.offsets)
         self.stats.cut_tokens += int((sizes - kept).sum())
         self.stats.invalid_tokens += int((kept - valid).sum())
-        sent = made.truncated(valid)
         self._sent = (ranks, valid)
         self.stats.drafts += int(np.count_nonzero(valid))
         self.stats.drafted_tokens += int(valid.sum())

@@ -410,8 +410,10 @@ public:
 
     void step(const std::vector<int64_t>& handles, const Tokens& tokens, const std::vector<int64_t>& offsets,
               const std::vector<int32_t>& ks) {
+        const int64_t called = now_ns();
         join();
         const int64_t begin = now_ns();
+        timings_["step_wait_ns"] += begin - called;
         const size_t rows = handles.size();
         check_rows(rows, tokens.size(), offsets);
         if (ks.size() != rows)
@@ -425,6 +427,8 @@ public:
         bool any_k = false;
         for (int32_t k : ks) any_k = any_k || k > 0;
         if (any_k) absorb_rows(reqs, order, pool_);
+        const int64_t absorbed = now_ns();
+        timings_["step_absorb_ns"] += absorbed - begin;
         drafts_.resize(rows);
         hits_.assign(rows, 0);
         resumed_.assign(rows, 0);
@@ -459,6 +463,9 @@ public:
         }
         for (const size_t i : order)
             if (wants_lookup_[i]) lookups_.push_back(static_cast<int32_t>(i));
+        const int64_t committed_at = now_ns();
+        timings_["step_commit_ns"] += committed_at - absorbed;
+        timings_["step_lookups"] += static_cast<int64_t>(lookups_.size());
         cache_valid_ = false;  // used once; emptied in the background, by the next prefetch
         Automaton* global = history_.built_global();
         // Lookups read the indexes only: any row on any thread.
@@ -472,6 +479,18 @@ public:
             sources.resize(end - begin);
             row_ks.clear();
             outs.clear();
+            for (size_t n = begin; n < end; ++n) {  // the walked states the misses resume from
+                const int32_t i = lookups_[n];
+                if (!resumed_[i]) continue;
+                const Request& r = *reqs[i];
+                const size_t j = static_cast<size_t>(offsets[i + 1] - offsets[i] - 1);
+                r.index->prefetch_state(r.walked.prompt_chain[j].state);
+                if (resumes_global(r, j, global)) global->prefetch_state(r.walked.global_chain[j].state);
+            }
+            for (size_t n = begin; n < end; ++n) {
+                const int32_t i = lookups_[n];
+                if (resumed_[i]) resume(*reqs[i], static_cast<size_t>(offsets[i + 1] - offsets[i] - 1), tokens[offsets[i + 1] - 1]);
+            }
             for (size_t n = begin; n < end; ++n) {  // the rows' match states, their misses overlapped
                 const Request& r = *reqs[lookups_[n]];
                 r.index->prefetch_state(r.ls.match.state);
@@ -486,6 +505,7 @@ public:
             }
             chains(sources, row_ks.data(), outs.data(), end - begin, config_.chain);
         });
+        timings_["step_lookup_ns"] += now_ns() - committed_at;
         if (follow_)
             for (size_t i = 0; i < rows; ++i)
                 if (ks[i] > 0 && !drafts_[i].tokens.empty() && !reqs[i]->following) {
@@ -728,7 +748,9 @@ private:
     std::map<std::string, int64_t> timings_{{"step_ns", 0},         {"step_rows", 0},     {"absorb_ns", 0},
                                             {"absorb_rows", 0},     {"plan_ns", 0},       {"plan_rows", 0},
                                             {"prefetch_lookup_ns", 0}, {"prefetch_lookups", 0},
-                                            {"resumed_lookups", 0}};
+                                            {"resumed_lookups", 0}, {"step_wait_ns", 0},
+                                            {"step_absorb_ns", 0},  {"step_commit_ns", 0},
+                                            {"step_lookup_ns", 0},  {"step_lookups", 0}};
     Background background_;  // last: joined before the members it uses are destroyed
 
     void join() { background_.wait(); }
@@ -938,7 +960,9 @@ private:
             }
         }
         wants_lookup_[i] = r.known;
-        if (r.known && resumes(r, committed)) resume(r, committed, i);
+        // Resumed in the lookup phase, where the rows' cache misses overlap (nothing a later row
+        // commits changes what this one reads).
+        if (r.known && resumes(r, committed)) resumed_[i] = 1;
     }
 
     // Whether a row that missed committed an outcome whose match states the last prefetch walked,
@@ -953,20 +977,22 @@ private:
 
     // catch_up's result from the walked states (the cross-prompt one only where catch_up would
     // advance rather than re-match the recent context).
-    void resume(Request& r, const Tokens& committed, size_t i) {
+    void resume(Request& r, size_t j, int32_t b) {
         const Walked& w = r.walked;
-        const size_t j = committed.size() - 1;
-        const int32_t b = committed.back();
         r.ls.match = r.index->step(w.prompt_chain[j], b);
         r.ls.behind.clear();
         Automaton* global = history_.built_global();
-        if (w.global && r.ls.global == global && global && r.ls.global_serial == global->serial &&
-            r.ls.global_match == w.global_from && r.ls.global_behind.size() == w.global_behind + committed.size() &&
-            static_cast<int32_t>(r.ls.global_behind.size()) <= config_.rematch_tokens) {
+        if (resumes_global(r, j, global)) {
             r.ls.global_match = global->step(w.global_chain[j], b);
             r.ls.global_behind.clear();
         }
-        resumed_[i] = 1;
+    }
+
+    bool resumes_global(const Request& r, size_t j, const Automaton* global) const {
+        const Walked& w = r.walked;
+        return w.global && r.ls.global == global && global && r.ls.global_serial == global->serial &&
+               r.ls.global_match == w.global_from && r.ls.global_behind.size() == w.global_behind + j + 1 &&
+               static_cast<int32_t>(r.ls.global_behind.size()) <= config_.rematch_tokens;
     }
 
     // The last ``n`` tokens of prompt + output + extra.
@@ -1229,6 +1255,47 @@ using namespace ngramrl;
 
 // ngramrl.core.native.draft_lists: ``size`` lists, list positions[i] holding
 // tokens[offsets[rows[i]]:offsets[rows[i] + 1]], the others empty (vLLM's drafts, one list per row).
+// DraftBatch.truncated: each row cut to its first keep[i] tokens and before its first token outside
+// 0..vocab - 1 (vocab < 0: no bound), as (tokens, offsets, probs).
+py::tuple truncate_rows(const I32& tokens, const I64& offsets, const F64& probs, const I64& keep, int64_t vocab) {
+    const int64_t rows = keep.size(), num_tokens = tokens.size();
+    if (offsets.size() != rows + 1)
+        throw py::value_error("truncate_rows: " + std::to_string(offsets.size()) + " offsets for " +
+                              std::to_string(rows) + " rows");
+    if (probs.size() != num_tokens)
+        throw py::value_error("truncate_rows: " + std::to_string(probs.size()) + " probabilities for " +
+                              std::to_string(num_tokens) + " tokens");
+    const int64_t* off = offsets.data();
+    const int64_t* kept = keep.data();
+    if (off[0] != 0 || off[rows] != num_tokens)
+        throw py::value_error("truncate_rows: offsets must run from 0 to the " + std::to_string(num_tokens) +
+                              " tokens");
+    for (int64_t i = 0; i < rows; ++i)
+        if (off[i] > off[i + 1])
+            throw py::value_error("truncate_rows: offsets fall at row " + std::to_string(i));
+    const int32_t* tok = tokens.data();
+    const double* prob = probs.data();
+    py::array_t<int64_t> out_offsets(static_cast<py::ssize_t>(rows + 1));
+    int64_t* o = out_offsets.mutable_data();
+    o[0] = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t begin = off[i], limit = begin + std::max<int64_t>(0, std::min(kept[i], off[i + 1] - begin));
+        int64_t end = begin;
+        while (end < limit && (vocab < 0 || (tok[end] >= 0 && tok[end] < vocab))) ++end;
+        o[i + 1] = o[i] + (end - begin);
+    }
+    py::array_t<int32_t> out_tokens(static_cast<py::ssize_t>(o[rows]));
+    py::array_t<double> out_probs(static_cast<py::ssize_t>(o[rows]));
+    int32_t* t = out_tokens.mutable_data();
+    double* p = out_probs.mutable_data();
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t n = o[i + 1] - o[i];
+        std::copy(tok + off[i], tok + off[i] + n, t + o[i]);
+        std::copy(prob + off[i], prob + off[i] + n, p + o[i]);
+    }
+    return py::make_tuple(out_tokens, out_offsets, out_probs);
+}
+
 py::list draft_lists(int64_t size, const I64& positions, const I64& rows, const I32& tokens, const I64& offsets) {
     const int64_t n = positions.size(), num_offsets = offsets.size(), num_tokens = tokens.size();
     if (size < 0) throw py::value_error("draft_lists: size " + std::to_string(size) + " < 0");
@@ -1309,6 +1376,8 @@ py::tuple flatten_rows(const py::list& lists, const I64& index) {
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
     m.def("flatten_rows", &flatten_rows, py::arg("lists"), py::arg("index"));
+    m.def("truncate_rows", &truncate_rows, py::arg("tokens"), py::arg("offsets"), py::arg("probs"), py::arg("keep"),
+          py::arg("vocab"));
     m.def("draft_lists", &draft_lists, py::arg("size"), py::arg("positions"), py::arg("rows"), py::arg("tokens"),
           py::arg("offsets"));
     py::class_<Core>(m, "Core")

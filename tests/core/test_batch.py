@@ -409,7 +409,7 @@ def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
     import ngramrl
     from ngramrl.core.batch import make_core, native_module
 
-    stale = SimpleNamespace(Core=type("Core", (), {}))  # no flatten_rows: built before it existed
+    stale = SimpleNamespace(Core=type("Core", (), {}))  # no truncate_rows: built before it existed
     monkeypatch.setitem(sys.modules, "ngramrl._native", stale)
     monkeypatch.setattr(ngramrl, "_native", stale, raising=False)
     assert native_module() is None
@@ -544,3 +544,32 @@ def test_flatten_rows_gives_the_chosen_rows_tokens_flat(native_rows, monkeypatch
     assert flatten_rows([tuple(x) for x in lists], index)[0].tolist() == tokens.tolist()  # rows that are not lists
     with pytest.raises(ValueError, match="index"):
         flatten_rows(lists, [50])
+
+
+@pytest.mark.parametrize("native_cut", [False, True], ids=["python", "native"])
+def test_truncated_keeps_each_rows_first_tokens_up_to_its_first_token_outside_the_vocabulary(native_cut,
+                                                                                              monkeypatch):
+    """What goes to the target: row i's first lengths[i] tokens with their estimates, cut before
+    the first token that is not an id of the vocabulary; the same from C++ and from numpy."""
+    if not native_cut:
+        monkeypatch.setenv("NGRAMRL_NATIVE", "0")
+    assert (native_module() is not None) == native_cut
+    rng = random.Random(7)
+    drafts = []
+    for _ in range(60):
+        tokens = [rng.choice([rng.randrange(1000), -1, 1000, 5000]) if rng.random() < 0.1 else rng.randrange(1000)
+                  for _ in range(rng.randrange(0, 9))]
+        drafts.append(Draft(tokens, [rng.random() for _ in tokens], 3, "global"))
+    batch = DraftBatch.from_drafts(drafts)
+    lengths = [rng.randrange(-1, 11) for _ in drafts]
+    for vocab in (None, 1000):
+        cut = batch.truncated(lengths, vocab)
+        for i, (d, n) in enumerate(zip(drafts, lengths, strict=True)):
+            end = max(0, min(n, len(d.tokens)))
+            if vocab is not None:
+                end = next((t for t in range(end) if not 0 <= d.tokens[t] < vocab), end)
+            assert cut.draft(i) == Draft(d.tokens[:end], d.probs[:end], 3, "global"), (vocab, i)
+    assert any(t >= 1000 or t < 0 for t in batch.truncated(lengths).tokens)
+    assert batch.truncated([0] * len(drafts), 1000).tokens.size == 0
+    with pytest.raises(ValueError, match="lengths for"):
+        batch.truncated(lengths[1:])
