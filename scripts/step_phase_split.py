@@ -1,0 +1,99 @@
+"""Where the proposer's time goes at B requests in flight: one bench-steps replay (`--draft-always`,
+k = 8, the H100 Qwen3-8B roofline forward, a 32 MB pass per step) with the proposer's call and the
+native core's calls timed from Python, and the core's own step split into its phases
+(`core.timings()`: waiting for the background, the inserts of pending tokens, the commits with
+the prefetch's hits, the lookups), averaged over the steps with B requests in flight
+(docs/native.md, "Where a step's time goes").
+
+    python scripts/step_phase_split.py ngramrl/traces/gsm-smollm2-t0.6.jsonl.gz 256 --threads 2
+
+Run it from a checkout (the checkout's ngramrl is imported); it needs the native core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+
+sys.path.insert(0, ".")
+
+from ngramrl.bench.bench_steps import default_profile  # noqa: E402
+from ngramrl.bench.steps import build_engine, copies_for, prepare_workload, summarize_steps  # noqa: E402
+from ngramrl.config import EngineConfig, NgramRLConfig  # noqa: E402
+from ngramrl.core.trace import read_trace  # noqa: E402
+
+PHASES = ("step_wait_ns", "step_absorb_ns", "step_commit_ns", "step_lookup_ns", "step_lookups")
+CALLS = ("stop", "start", "step", "lengths", "prefetch", "finish")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace")
+    parser.add_argument("batch", type=int)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--method", default="ngramrl-prefetch", choices=("ngramrl", "ngramrl-prefetch"))
+    args = parser.parse_args()
+    trace = read_trace(args.trace)
+    last = max(r.epoch for r in trace.rollouts)
+    workload = prepare_workload(trace, last, copies_for(trace, last, 2 * args.batch))
+    config = NgramRLConfig(engine=EngineConfig(adaptive_length=False))
+    engine = build_engine(args.method, workload, 8, default_profile(8), args.threads, 32 << 20, config=config)
+    proposer, core = engine.proposer, engine.proposer.core
+    if not core.native:
+        raise SystemExit("the native core is not built (pip install -e . builds it)")
+
+    step_totals: collections.Counter = collections.Counter()  # this call's times, ns
+    full: dict[str, list[float]] = collections.defaultdict(list)
+    last_timings: dict[str, int] = dict(core.timings())
+
+    def timed(name: str, call):
+        def run(*a, **k):
+            begin = time.perf_counter_ns()
+            out = call(*a, **k)
+            step_totals[name] += time.perf_counter_ns() - begin
+            if name == "step":  # nothing runs in the background during a step: timings() does not wait
+                now = core.timings()
+                for phase in PHASES:
+                    step_totals[phase] += now[phase] - last_timings[phase]
+                last_timings.update(now)
+            return out
+        return run
+
+    for name in CALLS:
+        setattr(core, name, timed(name, getattr(core, name)))
+    propose = proposer.propose
+
+    def timed_propose(sampled, *a, **k):
+        step_totals.clear()
+        begin = time.perf_counter_ns()
+        out = propose(sampled, *a, **k)
+        if len(sampled) == args.batch:
+            full["propose"].append(time.perf_counter_ns() - begin)
+            for key in (*CALLS, *PHASES):
+                full[key].append(step_totals[key])
+        return out
+
+    proposer.propose = timed_propose
+    try:
+        summary = summarize_steps(engine.run_phase(workload.phases[0], args.batch), args.batch)
+    finally:
+        engine.close()
+    steps = len(full["propose"])
+    print(f"{args.trace} B={args.batch} {args.method} threads {args.threads}: {steps} full steps, "
+          f"critical path mean {summary.step_us_mean:.0f} us")
+    mean = {key: sum(values) / max(1, len(values)) for key, values in full.items()}
+    inside = sum(mean[name] for name in CALLS)
+    print(f"  proposer call        {mean['propose'] / 1e3:8.0f} us")
+    for name in CALLS:
+        print(f"    core.{name:<14} {mean[name] / 1e3:8.0f} us")
+    print(f"    Python around them {(mean['propose'] - inside) / 1e3:8.0f} us")
+    print("  the native step's phases:")
+    for phase in PHASES[:-1]:
+        print(f"    {phase[5:-3]:<18} {mean[phase] / 1e3:8.0f} us")
+    print(f"    lookups per step   {mean['step_lookups']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
