@@ -479,17 +479,19 @@ public:
             sources.resize(end - begin);
             row_ks.clear();
             outs.clear();
+            // A row that resumes committed d_1..d_j + [b]: j accepted tokens, then b.
+            const auto accepted = [&](int32_t i) { return static_cast<size_t>(offsets[i + 1] - offsets[i] - 1); };
             for (size_t n = begin; n < end; ++n) {  // the walked states the misses resume from
                 const int32_t i = lookups_[n];
                 if (!resumed_[i]) continue;
                 const Request& r = *reqs[i];
-                const size_t j = static_cast<size_t>(offsets[i + 1] - offsets[i] - 1);
+                const size_t j = accepted(i);
                 r.index->prefetch_state(r.walked.prompt_chain[j].state);
                 if (resumes_global(r, j, global)) global->prefetch_state(r.walked.global_chain[j].state);
             }
             for (size_t n = begin; n < end; ++n) {
                 const int32_t i = lookups_[n];
-                if (resumed_[i]) resume(*reqs[i], static_cast<size_t>(offsets[i + 1] - offsets[i] - 1), tokens[offsets[i + 1] - 1]);
+                if (resumed_[i]) resume(*reqs[i], accepted(i), tokens[offsets[i + 1] - 1]);
             }
             for (size_t n = begin; n < end; ++n) {  // the rows' match states, their misses overlapped
                 const Request& r = *reqs[lookups_[n]];
@@ -988,6 +990,7 @@ private:
         }
     }
 
+    // Whether the cross-prompt state resumes too (catch_up would advance it, not re-match).
     bool resumes_global(const Request& r, size_t j, const Automaton* global) const {
         const Walked& w = r.walked;
         return w.global && r.ls.global == global && global && r.ls.global_serial == global->serial &&
@@ -1253,8 +1256,6 @@ private:
 
 using namespace ngramrl;
 
-// ngramrl.core.native.draft_lists: ``size`` lists, list positions[i] holding
-// tokens[offsets[rows[i]]:offsets[rows[i] + 1]], the others empty (vLLM's drafts, one list per row).
 // DraftBatch.truncated: each row cut to its first keep[i] tokens and before its first token outside
 // 0..vocab - 1 (vocab < 0: no bound), as (tokens, offsets, probs).
 py::tuple truncate_rows(const I32& tokens, const I64& offsets, const F64& probs, const I64& keep, int64_t vocab) {
@@ -1296,6 +1297,8 @@ py::tuple truncate_rows(const I32& tokens, const I64& offsets, const F64& probs,
     return py::make_tuple(out_tokens, out_offsets, out_probs);
 }
 
+// ngramrl.core.native.draft_lists: ``size`` lists, list positions[i] holding
+// tokens[offsets[rows[i]]:offsets[rows[i] + 1]], the others empty (vLLM's drafts, one list per row).
 py::list draft_lists(int64_t size, const I64& positions, const I64& rows, const I32& tokens, const I64& offsets) {
     const int64_t n = positions.size(), num_offsets = offsets.size(), num_tokens = tokens.size();
     if (size < 0) throw py::value_error("draft_lists: size " + std::to_string(size) + " < 0");
