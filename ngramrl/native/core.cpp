@@ -74,9 +74,9 @@ public:
         // What is left are tasks that started on a worker, and workers leaving the run: spin for
         // them (waking this thread would cost more than they take), then end the run for late ones.
         for (uint32_t n = 0;; ++n) {
-            if (finished_.load() == total_) {
-                std::lock_guard<std::mutex> lock(mutex_);
-                if (working_ == 0) {
+            if (finished_.load() == total_ && working_.load() == 0) {
+                std::lock_guard<std::mutex> lock(mutex_);  // a late worker joins under it
+                if (working_.load() == 0) {
                     job_ = nullptr;
                     return;
                 }
@@ -95,7 +95,7 @@ private:
     const std::function<void(size_t)>* job_ = nullptr;  // the current run's; null once run() returns
     size_t total_ = 0;
     std::atomic<size_t> next_{0}, finished_{0};  // the run's tasks taken, and done
-    int working_ = 0;                            // workers inside the current run
+    std::atomic<int> working_{0};                // workers inside the current run (changed under mutex_)
     uint64_t generation_ = 0;                    // runs started
     bool stop_ = false;
 
