@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from ngramrl.config import ENGINE_DTYPES
 from ngramrl.core.trace import TraceError
 
 
@@ -100,7 +101,7 @@ def _generate(args: argparse.Namespace) -> int:
     config = GenerationConfig(model_dir=model_dir, out_path=args.out, workload=args.workload,
                               temperature=args.temperature, top_p=args.top_p, samples=args.samples,
                               epochs=args.epochs, max_tokens=args.max_tokens, batch_size=args.batch_size,
-                              seed=args.seed)
+                              seed=args.seed, dtype=args.dtype)
     path = generate_trace(config, tasks)
     print(f"wrote {path}")
     return 0
@@ -227,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=192)
     gen.add_argument("--batch-size", type=int, default=48)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", default="auto", choices=ENGINE_DTYPES,
+                     help="the model's dtype (auto: bfloat16 where the device computes in it, else float32 on a "
+                          "CPU, float16 on a GPU)")
     gen.set_defaults(func=_generate)
 
     steps = sub.add_parser("bench-steps", help="the drafting proposer's time per engine step at B requests in "

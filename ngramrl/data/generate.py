@@ -1,4 +1,5 @@
-"""Generate multi-epoch rollout traces with a real model (Hugging Face transformers on CPU or GPU).
+"""Generate multi-epoch rollout traces with a real model (Hugging Face transformers, on a GPU
+where there is one, else on the CPU; in the dtype the device computes fast in unless told).
 
 Every epoch samples ``samples`` rollouts of every prompt with the same (unchanged) policy, the
 regime of RL epochs without training in between, and the file is rewritten after each epoch so an
@@ -11,8 +12,10 @@ import os
 import time
 from dataclasses import dataclass
 
+from ngramrl.config import ENGINE_DTYPES
 from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
 from ngramrl.data.workloads import Task
+from ngramrl.devices import auto_dtype
 
 
 @dataclass
@@ -28,8 +31,11 @@ class GenerationConfig:
     batch_size: int = 32
     seed: int = 0
     threads: int | None = None
+    dtype: str = "auto"  # float32, bfloat16, float16; auto: ngramrl.devices.auto_dtype for the device used
 
     def __post_init__(self) -> None:
+        if self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}")
         if self.samples < 1 or self.epochs < 1:
             raise ValueError("samples and epochs must be >= 1")
         if self.temperature < 0:
@@ -51,7 +57,9 @@ def generate_trace(config: GenerationConfig, tasks: list[Task], progress: bool =
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = auto_dtype(device == "cpu") if config.dtype == "auto" else config.dtype
+    model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=getattr(torch, dtype)).to(device)
     model.eval()
     eos_ids = sorted({tokenizer.eos_token_id, *([model.generation_config.eos_token_id]
                       if isinstance(model.generation_config.eos_token_id, int)
@@ -66,7 +74,7 @@ def generate_trace(config: GenerationConfig, tasks: list[Task], progress: bool =
         vocab_size=len(tokenizer), eos_token_ids=eos_ids,
         model=os.path.basename(os.path.normpath(config.model_dir)), tokenizer=os.path.basename(
             os.path.normpath(config.model_dir)), workload=config.workload, temperature=config.temperature,
-        top_p=config.top_p, top_k=-1, max_tokens=config.max_tokens,
+        top_p=config.top_p, top_k=-1, max_tokens=config.max_tokens, extra={"dtype": dtype},
     )
     writer = TraceWriter(config.out_path, header)
     jobs = [(pid, sample) for pid in prompts for sample in range(config.samples)]
@@ -81,7 +89,7 @@ def generate_trace(config: GenerationConfig, tasks: list[Task], progress: bool =
         ordered = sorted(jobs, key=lambda job: len(prompts[job[0]]))
         for first in range(0, len(ordered), config.batch_size):
             chunk = ordered[first:first + config.batch_size]
-            batch = tokenizer.pad({"input_ids": [prompts[pid] for pid, _ in chunk]}, return_tensors="pt")
+            batch = tokenizer.pad({"input_ids": [prompts[pid] for pid, _ in chunk]}, return_tensors="pt").to(device)
             with torch.no_grad():
                 out = model.generate(
                     **batch, max_new_tokens=config.max_tokens, do_sample=config.temperature > 0,

@@ -17,6 +17,7 @@ from typing import Any
 
 from ngramrl.config import ENGINE_DTYPES, NgramRLConfig
 from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
+from ngramrl.devices import auto_dtype
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, config_to_env
 from ngramrl.engine.worker_extension import EXTENSION
 
@@ -78,31 +79,14 @@ def reuse_compiled_model() -> bool:
     return True
 
 
-def cpu_runs_bfloat16() -> bool:
-    """Whether this CPU has the instructions behind PyTorch's bfloat16 matrix kernels (AVX-512 on
-    x86, BF16 on Arm). Without them bfloat16 is emulated: on an AVX2 host a 135M model decoded
-    5-6x slower in bfloat16 than in float32 (docs/pipeline.md)."""
-    import torch
-
-    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return True if supported is None else bool(supported())
-
-
 def resolve_dtype(dtype: str) -> str:
-    """The dtype an engine runs in. ``auto``: bfloat16 where the hardware computes in it (a GPU
-    with bfloat16, a CPU with ``cpu_runs_bfloat16``), else float16 on a GPU and float32 on a CPU.
-    Called in the engine's process: the engine's device decides, not the driver's."""
+    """The dtype an engine runs in: ``auto`` is ``ngramrl.devices.auto_dtype`` for the engine's
+    device. Called in the engine's process: the engine's device decides, not the driver's."""
     if dtype != "auto":
         return dtype
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        return "bfloat16" if cpu_runs_bfloat16() else "float32"
-    import torch
-
-    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        return "float16"
-    return "bfloat16"
+    return auto_dtype(current_platform.is_cpu())
 
 
 class RolloutEngine:

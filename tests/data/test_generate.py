@@ -1,7 +1,11 @@
+import pytest
+import torch
+
 from ngramrl.cli import main
 from ngramrl.core.trace import read_trace
 from ngramrl.data.generate import GenerationConfig, generate_trace
 from ngramrl.data.workloads import Task, load_tasks
+from ngramrl.devices import auto_dtype
 
 
 def test_generate_writes_a_valid_multi_epoch_trace(tiny_model_dir, tmp_path):
@@ -12,6 +16,7 @@ def test_generate_writes_a_valid_multi_epoch_trace(tiny_model_dir, tmp_path):
     generate_trace(config, tasks, progress=False)
     trace = read_trace(out)
     assert trace.header.workload == "toy" and trace.header.temperature == 1.0
+    assert trace.header.extra["dtype"] == auto_dtype(not torch.cuda.is_available())  # what the model ran in
     assert len(trace.rollouts) == 3 * 2 * 2
     assert {(r.prompt_id, r.epoch, r.sample) for r in trace.rollouts} == {
         (f"t{i}", e, s) for i in range(3) for e in range(2) for s in range(2)}
@@ -22,6 +27,17 @@ def test_generate_writes_a_valid_multi_epoch_trace(tiny_model_dir, tmp_path):
             assert rollout.output[-1] in trace.header.eos_token_ids
     # The trace replays through the benchmark.
     assert main(["bench", out, "--method", "ngramrl", "--method", "none", "--no-progress"]) == 0
+
+
+def test_generate_runs_in_the_dtype_asked_for_and_refuses_an_unknown_one(tiny_model_dir, tmp_path):
+    tasks = [Task("t0", [{"role": "user", "content": "question"}])]
+    out = str(tmp_path / "trace.jsonl.gz")
+    other = "float32" if auto_dtype(not torch.cuda.is_available()) == "bfloat16" else "bfloat16"
+    generate_trace(GenerationConfig(model_dir=tiny_model_dir, out_path=out, workload="toy", samples=1, epochs=1,
+                                    max_tokens=4, dtype=other), tasks, progress=False)
+    assert read_trace(out).header.extra["dtype"] == other
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        GenerationConfig(model_dir=tiny_model_dir, out_path=out, workload="toy", dtype="fp8")
 
 
 def test_workloads_load_offline_with_references():

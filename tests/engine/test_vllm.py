@@ -213,11 +213,12 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_in_it(monkeypatch, n
     instructions; a chosen dtype is kept whatever the hardware."""
     from vllm.platforms import current_platform
 
+    from ngramrl import devices
     from ngramrl.engine import rollouts
 
     if not current_platform.is_cpu():
         pytest.skip("the CPU rule; a GPU engine resolves by its device")
-    monkeypatch.setattr(rollouts, "cpu_runs_bfloat16", lambda: native)
+    monkeypatch.setattr(devices, "cpu_runs_bfloat16", lambda: native)
     assert rollouts.resolve_dtype("auto") == ("bfloat16" if native else "float32")
     for chosen in ("bfloat16", "float16", "float32"):
         assert rollouts.resolve_dtype(chosen) == chosen
