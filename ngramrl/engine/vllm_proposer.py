@@ -262,7 +262,7 @@ class NgramRLProposer:
         rows, ranks = self._rows(batch, sampled_token_ids, num_tokens_no_spec)
         committed = np.diff(rows.offsets)
         self.stats.row_steps += len(rows)
-        self.stats.committed_tokens += int(committed.sum())
+        self.stats.committed_tokens += int(rows.offsets[-1])
         verified = self._sent_before(ranks)
         accepted = int((committed[verified > 0] - 1).sum())  # the token after the accepted ones is the target's
         self.stats.accepted_tokens += accepted
@@ -291,18 +291,16 @@ class NgramRLProposer:
         self._delivered = [decay * self._delivered[0], decay * self._delivered[1] + expected]
         # A draft goes to vLLM only as far as its tokens are ids of the target's vocabulary (its
         # kernels index the vocabulary with them; -1 is its padding).
-        sizes = np.diff(made.offsets)
-        kept = np.minimum(lengths, sizes)
-        sent = made.truncated(kept, self.vocab_size if self.vocab_size is not None else NO_VOCAB_BOUND)
+        sent = made.truncated(lengths, self.vocab_size if self.vocab_size is not None else NO_VOCAB_BOUND)
         valid = np.diff(sent.offsets)
-        self.stats.cut_tokens += int((sizes - kept).sum())
-        self.stats.invalid_tokens += int((kept - valid).sum())
+        kept = int(np.minimum(lengths, np.diff(made.offsets)).sum())
+        self.stats.cut_tokens += int(made.offsets[-1]) - kept
+        self.stats.invalid_tokens += kept - int(sent.offsets[-1])
         self._sent = (ranks, valid)
         self.stats.drafts += int(np.count_nonzero(valid))
-        self.stats.drafted_tokens += int(valid.sum())
-        self._verified_tokens = int(valid.sum())  # draft tokens the next forward verifies
-        with_draft = np.flatnonzero(valid)
-        drafts = sent.lists(len(sampled_token_ids), rows.index[with_draft], with_draft)
+        self.stats.drafted_tokens += int(sent.offsets[-1])
+        self._verified_tokens = int(sent.offsets[-1])  # draft tokens the next forward verifies
+        drafts = sent.lists(len(sampled_token_ids), rows.index, np.arange(len(rows)))  # an empty draft: []
         # Requests that left enter the history once this step's drafts are made: the work (their
         # rollouts into the prompt's and the cross-prompt index) then runs with the step's inserts,
         # during the forward, and before the prefetch, whose drafts stay valid only while the

@@ -388,11 +388,26 @@ def test_drafts_go_to_their_batch_rows_and_only_as_far_as_their_tokens_are_valid
     assert drafts[0] == [] and drafts[2] == []
     assert drafts[1] == [101, 102, 103, 100]
     assert drafts[3] == [201]  # 5000 is not a token of the vocabulary
+    assert drafts[0] is not drafts[2]  # each its own list: vLLM trims them in place
     assert proposer.stats.invalid_tokens == 3
+    assert proposer.stats.drafts == 2 and proposer.stats.drafted_tokens == 5 and proposer.stats.cut_tokens == 0
     assert proposer.stats.row_steps == 2 and proposer.stats.committed_tokens == 2
     drafts = proposer.propose([[8], [101, 102, 103], [100], [201, 202]], lengths, None)
     assert proposer.stats.accepted_tokens == 2 + 1  # p0 accepted 2 of its 4, q0 1 of its 1
     assert drafts[1] == [100, 101, 102, 103]
+
+
+def test_tokens_the_cost_model_drops_are_counted_as_cut(monkeypatch):
+    """While drafting does not pay, the first step still looks up and probes: it verifies only the
+    batch's likeliest token, and the rest of what was drafted is cut."""
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.01, 0.3))
+    proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 102, 103] * 8, epoch=0)
+    runner.add("p0", "p", [1, 2, 3])
+    runner.add("p1", "p", [1, 2, 3])
+    drafts = proposer.propose([[100], [102]], [13, 13], None)
+    assert sorted(map(len, drafts)) == [0, 1]
+    assert proposer.stats.drafted_tokens == 1 and proposer.stats.cut_tokens == 2 * proposer.k - 1
+    assert proposer.stats.invalid_tokens == 0
 
 
 def test_the_source_sees_a_steps_rows_in_the_order_the_requests_came(monkeypatch):
