@@ -14,9 +14,11 @@ def cpu_runs_bfloat16() -> bool:
     return True if supported is None else bool(supported())
 
 
-def auto_dtype(on_cpu: bool) -> str:
-    """bfloat16 where the device computes in it (a GPU with bfloat16, a CPU with
-    ``cpu_runs_bfloat16``), else float32 on a CPU and float16 on a GPU."""
+def resolve_dtype(dtype: str, on_cpu: bool) -> str:
+    """``dtype`` as it is, or for ``auto``: bfloat16 where the device computes in it (a GPU with
+    bfloat16, a CPU with ``cpu_runs_bfloat16``), else float32 on a CPU and float16 on a GPU."""
+    if dtype != "auto":
+        return dtype
     if on_cpu:
         return "bfloat16" if cpu_runs_bfloat16() else "float32"
     import torch

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ngramrl.config import ENGINE_DTYPES
 from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
 from ngramrl.data.workloads import Task
-from ngramrl.devices import auto_dtype
+from ngramrl.devices import resolve_dtype
 
 
 @dataclass
@@ -31,7 +31,7 @@ class GenerationConfig:
     batch_size: int = 32
     seed: int = 0
     threads: int | None = None
-    dtype: str = "auto"  # float32, bfloat16, float16; auto: ngramrl.devices.auto_dtype for the device used
+    dtype: str = "auto"  # float32, bfloat16, float16; auto: ngramrl.devices.resolve_dtype for the device used
 
     def __post_init__(self) -> None:
         if self.dtype not in ENGINE_DTYPES:
@@ -58,7 +58,7 @@ def generate_trace(config: GenerationConfig, tasks: list[Task], progress: bool =
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = auto_dtype(device == "cpu") if config.dtype == "auto" else config.dtype
+    dtype = resolve_dtype(config.dtype, on_cpu=device == "cpu")
     model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=getattr(torch, dtype)).to(device)
     model.eval()
     eos_ids = sorted({tokenizer.eos_token_id, *([model.generation_config.eos_token_id]

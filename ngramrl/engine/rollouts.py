@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ngramrl import devices
 from ngramrl.config import ENGINE_DTYPES, NgramRLConfig
 from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
-from ngramrl.devices import auto_dtype
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, config_to_env
 from ngramrl.engine.worker_extension import EXTENSION
 
@@ -80,13 +80,11 @@ def reuse_compiled_model() -> bool:
 
 
 def resolve_dtype(dtype: str) -> str:
-    """The dtype an engine runs in: ``auto`` is ``ngramrl.devices.auto_dtype`` for the engine's
-    device. Called in the engine's process: the engine's device decides, not the driver's."""
-    if dtype != "auto":
-        return dtype
+    """The dtype an engine runs in (``ngramrl.devices.resolve_dtype`` for the engine's device).
+    Called in the engine's process: the engine's device decides, not the driver's."""
     from vllm.platforms import current_platform
 
-    return auto_dtype(current_platform.is_cpu())
+    return devices.resolve_dtype(dtype, current_platform.is_cpu())
 
 
 class RolloutEngine:

@@ -5,7 +5,7 @@ from ngramrl.cli import main
 from ngramrl.core.trace import read_trace
 from ngramrl.data.generate import GenerationConfig, generate_trace
 from ngramrl.data.workloads import Task, load_tasks
-from ngramrl.devices import auto_dtype
+from ngramrl.devices import resolve_dtype
 
 
 def test_generate_writes_a_valid_multi_epoch_trace(tiny_model_dir, tmp_path):
@@ -16,7 +16,8 @@ def test_generate_writes_a_valid_multi_epoch_trace(tiny_model_dir, tmp_path):
     generate_trace(config, tasks, progress=False)
     trace = read_trace(out)
     assert trace.header.workload == "toy" and trace.header.temperature == 1.0
-    assert trace.header.extra["dtype"] == auto_dtype(not torch.cuda.is_available())  # what the model ran in
+    # what the model ran in
+    assert trace.header.extra["dtype"] == resolve_dtype("auto", on_cpu=not torch.cuda.is_available())
     assert len(trace.rollouts) == 3 * 2 * 2
     assert {(r.prompt_id, r.epoch, r.sample) for r in trace.rollouts} == {
         (f"t{i}", e, s) for i in range(3) for e in range(2) for s in range(2)}
@@ -32,7 +33,7 @@ def test_generate_writes_a_valid_multi_epoch_trace(tiny_model_dir, tmp_path):
 def test_generate_runs_in_the_dtype_asked_for_and_refuses_an_unknown_one(tiny_model_dir, tmp_path):
     tasks = [Task("t0", [{"role": "user", "content": "question"}])]
     out = str(tmp_path / "trace.jsonl.gz")
-    other = "float32" if auto_dtype(not torch.cuda.is_available()) == "bfloat16" else "bfloat16"
+    other = "float32" if resolve_dtype("auto", on_cpu=not torch.cuda.is_available()) == "bfloat16" else "bfloat16"
     generate_trace(GenerationConfig(model_dir=tiny_model_dir, out_path=out, workload="toy", samples=1, epochs=1,
                                     max_tokens=4, dtype=other), tasks, progress=False)
     assert read_trace(out).header.extra["dtype"] == other
