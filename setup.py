@@ -34,7 +34,8 @@ EXT_MODULES = [] if Pybind11Extension is None or os.environ.get("NGRAMRL_NO_NATI
     Pybind11Extension(
         "ngramrl._native",
         [os.path.join(NATIVE_DIR, "core.cpp")],
-        depends=[os.path.join(NATIVE_DIR, name) for name in ("automaton.hpp", "estimate.hpp", "history.hpp")],
+        depends=[os.path.join(NATIVE_DIR, name)
+                 for name in ("automaton.hpp", "estimate.hpp", "history.hpp", "rows.hpp")],
         cxx_std=17,
         extra_compile_args=["-O3"] + os.environ.get("NGRAMRL_NATIVE_FLAGS", "").split(),
     )

@@ -136,6 +136,26 @@ class DraftBatch:
         np.cumsum(keep, out=offsets[1:])
         return DraftBatch(self.tokens[mask], offsets, self.probs[mask], self.matched, self.source, self.prefetched)
 
+    def for_target(self, lengths: Any, vocab_size: int | None, size: int,
+                   positions: Any) -> tuple[DraftBatch, list[list[int]], int]:
+        """What goes to the target: ``truncated(lengths, vocab_size)``, its rows as vLLM's ``size``
+        lists (row i in list ``positions[i]``, the others empty; ``lists``), and the tokens within
+        ``lengths`` before the vocabulary cut. One C++ pass where the native core is built."""
+        keep = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        if len(keep) != len(self) or len(positions) != len(self):
+            raise ValueError(f"for_target: {len(keep)} lengths and {len(positions)} positions for {len(self)} rows")
+        native = native_module()
+        if native is not None:
+            tokens, offsets, probs, lists, kept = native.target_rows(
+                np.ascontiguousarray(self.tokens, dtype=np.int32), np.ascontiguousarray(self.offsets, dtype=np.int64),
+                np.ascontiguousarray(self.probs, dtype=np.float64), keep, -1 if vocab_size is None else int(vocab_size),
+                int(size), positions)
+            return DraftBatch(tokens, offsets, probs, self.matched, self.source, self.prefetched), lists, int(kept)
+        sent = self.truncated(keep, vocab_size)
+        kept = int(np.minimum(np.maximum(keep, 0), np.diff(self.offsets)).sum())
+        return sent, sent.lists(size, positions, np.arange(len(self))), kept
+
     @classmethod
     def from_drafts(cls, drafts: list[Draft], prefetched: list[bool] | None = None) -> DraftBatch:
         lengths = np.fromiter((len(d.tokens) for d in drafts), dtype=np.int64, count=len(drafts))
@@ -550,22 +570,71 @@ def _ints(values: Any) -> list[int]:
 _native_warned = False
 
 
-def flatten_rows(lists: list[list[int]], index: Any) -> tuple[np.ndarray, np.ndarray]:
-    """The token lists ``lists[index[i]]`` (vLLM's sampled tokens per row), flat as int32, and
-    their offsets (int64, one more than the rows): one C++ pass where the native core is built."""
-    index = np.ascontiguousarray(index, dtype=np.int64)
-    native = native_module() if isinstance(lists, list) else None
+@dataclass
+class CommittedRows:
+    """The rows of an engine step that commit tokens for a request with a prompt, in the order the
+    requests came (``committed_rows``)."""
+
+    index: np.ndarray   # int64: each row's place in the engine's batch
+    ranks: np.ndarray   # int64: its arrival rank (rising)
+    tokens: np.ndarray  # int32: the committed tokens, row i's at offsets[i]:offsets[i + 1]
+    offsets: np.ndarray  # int64, rows + 1
+    ks: np.ndarray      # int32: room for a draft of k tokens, less where the model's length ends first
+    accepted: int       # draft tokens the target accepted of what these rows were sent last step
+    with_room: int      # rows with ks > 0
+    whole: bool         # every row of the batch, in the batch's order (index is 0, 1, 2, ...)
+
+
+def committed_rows(sampled: list[list[int]], arrival: np.ndarray, num_tokens: Any, max_model_len: int, k: int,
+                   sent_ranks: np.ndarray, sent_offsets: np.ndarray) -> CommittedRows:
+    """A vLLM step's rows as arrays: the rows i with an arrival rank (``arrival[i] >= 0``) and
+    sampled tokens (``sampled[i]``, vLLM's token list per row), in arrival order; each row's room
+    for a draft, ``min(k, max_model_len - num_tokens[i] - 1)`` (``num_tokens``: vLLM's tokens per
+    row before this step's drafts); and the tokens accepted of the drafts sent last step to the
+    rows ranked ``sent_ranks`` (rising), row r's ``sent_offsets[r + 1] - sent_offsets[r]`` tokens
+    long: a row sent a draft committed its accepted tokens and one token of the target's. One C++
+    pass where the native core is built."""
+    arrival = np.ascontiguousarray(arrival, dtype=np.int64)
+    sent_ranks = np.ascontiguousarray(sent_ranks, dtype=np.int64)
+    sent_offsets = np.ascontiguousarray(sent_offsets, dtype=np.int64)
+    native = native_module() if isinstance(sampled, list) else None
     if native is not None:
         try:
-            return native.flatten_rows(lists, index)
+            return CommittedRows(*native.committed_rows(sampled, arrival, num_tokens, int(max_model_len), int(k),
+                                                        sent_ranks, sent_offsets))
         except TypeError:  # rows that are not lists (tuples, arrays): the general path below
             pass
-    if len(index) and (index.min() < 0 or index.max() >= len(lists)):
-        raise ValueError(f"flatten_rows: an index outside 0..{len(lists) - 1}")
-    chosen = [lists[i] for i in index.tolist()]
-    offsets = np.zeros(len(chosen) + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(map(len, chosen), np.int64, len(chosen)), out=offsets[1:])
-    return np.fromiter(itertools.chain.from_iterable(chosen), np.int32, int(offsets[-1])), offsets
+    n = len(arrival)
+    if len(sampled) != n:
+        raise ValueError(f"committed_rows: {len(sampled)} rows of sampled tokens for {n} arrival ranks")
+    if len(num_tokens) < n:
+        raise ValueError(f"committed_rows: {len(num_tokens)} token counts for {n} rows")
+    if len(sent_offsets) != len(sent_ranks) + 1:
+        raise ValueError(f"committed_rows: {len(sent_offsets)} sent offsets for {len(sent_ranks)} sent ranks "
+                         "(one more is needed)")
+    sent_lengths = np.diff(sent_offsets)
+    if np.any(sent_ranks[1:] <= sent_ranks[:-1]):
+        raise ValueError("committed_rows: the sent ranks must rise")
+    sizes = np.fromiter(map(len, sampled), np.int64, n)
+    index = np.flatnonzero((arrival >= 0) & (sizes > 0))
+    index = index[np.argsort(arrival[index], kind="stable")]
+    ranks = arrival[index]
+    offsets = np.zeros(len(index) + 1, dtype=np.int64)
+    np.cumsum(sizes[index], out=offsets[1:])
+    chosen = [sampled[i] for i in index.tolist()]
+    tokens = np.fromiter(itertools.chain.from_iterable(chosen), np.int64, int(offsets[-1]))
+    if len(tokens) and (tokens.min() < np.iinfo(np.int32).min or tokens.max() > np.iinfo(np.int32).max):
+        raise ValueError("committed_rows: a token that is not an int32")
+    room = max_model_len - np.asarray(num_tokens[:n], dtype=np.int64)[index] - 1
+    ks = np.clip(np.minimum(k, room), np.iinfo(np.int32).min, None).astype(np.int32)
+    verified = np.zeros(len(index), dtype=np.int64)
+    if len(sent_ranks):
+        at = np.minimum(np.searchsorted(sent_ranks, ranks), len(sent_ranks) - 1)
+        verified = np.where(sent_ranks[at] == ranks, sent_lengths[at], 0)
+    accepted = int((np.diff(offsets)[verified > 0] - 1).sum())
+    whole = len(index) == n and bool(np.all(index == np.arange(n)))
+    return CommittedRows(index, ranks, tokens.astype(np.int32), offsets, ks, accepted, int(np.count_nonzero(ks > 0)),
+                         whole)
 
 
 def native_module() -> Any | None:
@@ -576,7 +645,7 @@ def native_module() -> Any | None:
             raise ImportError("NGRAMRL_NATIVE=0")
         from ngramrl import _native
 
-        if not hasattr(_native, "truncate_rows"):  # the newest function: an extension built from older sources
+        if not hasattr(_native, "committed_rows"):  # the newest function: an extension built from older sources
             raise ImportError("ngramrl._native was built from older sources than ngramrl's; rebuild it "
                               "(pip install -e . or python setup.py build_ext --inplace)")
     except ImportError as err:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
-from ngramrl.core.batch import DraftBatch, flatten_rows
+from ngramrl.core.batch import DraftBatch, committed_rows
 from ngramrl.core.cost import StepCostModel, drafting_pays
 from ngramrl.engine.sources import CoreSource, DraftSource, StepRows
 
@@ -175,14 +175,14 @@ class NgramRLProposer:
         # pay for it too (``_lookups_pay``).
         self._own_per_row: list[float | None] = [None, None]
         self._lookup_per_row: tuple[float, float] | None = None
-        # The last step's rows as arrival ranks (rising) with the length of the draft each was sent;
-        # and a batch's drafting states (the source's: core handles, or the pool's requests), whether
-        # each row has one, the rows' arrival ranks and the rows in arrival order: a steady decode
-        # batch is the same from step to step, and touching each row's objects after a forward has
-        # flushed the caches is what per-row code costs.
+        # The last step's rows as arrival ranks (rising) with the offsets of the drafts they were
+        # sent; and a batch's drafting states (the source's: core handles, or the pool's requests)
+        # and its rows' arrival ranks: a steady decode batch is the same from step to step, and
+        # touching each row's objects after a forward has flushed the caches is what per-row code
+        # costs.
         self._last_batch: tuple[str, ...] = ()
-        self._sent: tuple[np.ndarray, np.ndarray] = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-        self._batch_states: tuple[tuple[str, ...], Any, np.ndarray, np.ndarray, np.ndarray | None] | None = None
+        self._sent: tuple[np.ndarray, np.ndarray] = (np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
+        self._batch_states: tuple[tuple[str, ...], Any, np.ndarray] | None = None
         self._verified_tokens = 0               # draft tokens the last step's forward verified
         self._step_started: float | None = None
         # Lookups back off while the cost model keeps nothing: after the n-th lookup step in a
@@ -259,12 +259,9 @@ class NgramRLProposer:
             self.cost.observe(len(batch), self._verified_tokens, begin / 1e9 - self._step_started)
         self._last_batch = batch
         self.source.begin_step()
-        rows, ranks = self._rows(batch, sampled_token_ids, num_tokens_no_spec)
-        committed = np.diff(rows.offsets)
+        rows, ranks, accepted, with_room = self._rows(batch, sampled_token_ids, num_tokens_no_spec)
         self.stats.row_steps += len(rows)
         self.stats.committed_tokens += int(rows.offsets[-1])
-        verified = self._sent_before(ranks)
-        accepted = int((committed[verified > 0] - 1).sum())  # the token after the accepted ones is the target's
         self.stats.accepted_tokens += accepted
         self._delivered[0] += accepted
         if len(rows) <= self._quiet_rows // 2:  # a much smaller batch makes verifying cheaper: look again
@@ -277,7 +274,7 @@ class NgramRLProposer:
         looked = self._looks_up(self.stats.steps, len(rows))
         if not looked:
             rows.ks[:] = 0  # no draft could pay for its verification now: skip the lookups
-        lookup_rows = int(np.count_nonzero(rows.ks > 0))
+        lookup_rows = with_room if looked else 0
         self.stats.lookup_rows += lookup_rows
         looked_up = lookup_rows > 0
         made = self.source.draft(rows) if len(rows) else DraftBatch.from_drafts([])
@@ -291,16 +288,15 @@ class NgramRLProposer:
         self._delivered = [decay * self._delivered[0], decay * self._delivered[1] + expected]
         # A draft goes to vLLM only as far as its tokens are ids of the target's vocabulary (its
         # kernels index the vocabulary with them; -1 is its padding).
-        sent = made.truncated(lengths, self.vocab_size if self.vocab_size is not None else NO_VOCAB_BOUND)
-        valid = np.diff(sent.offsets)
-        kept = int(np.minimum(lengths, np.diff(made.offsets)).sum())
+        vocab = self.vocab_size if self.vocab_size is not None else NO_VOCAB_BOUND
+        sent, drafts, kept = made.for_target(lengths, vocab, len(sampled_token_ids), rows.index)  # an empty draft: []
+        verified = int(sent.offsets[-1])  # draft tokens the next forward verifies
         self.stats.cut_tokens += int(made.offsets[-1]) - kept
-        self.stats.invalid_tokens += kept - int(sent.offsets[-1])
-        self._sent = (ranks, valid)
-        self.stats.drafts += int(np.count_nonzero(valid))
-        self.stats.drafted_tokens += int(sent.offsets[-1])
-        self._verified_tokens = int(sent.offsets[-1])  # draft tokens the next forward verifies
-        drafts = sent.lists(len(sampled_token_ids), rows.index, np.arange(len(rows)))  # an empty draft: []
+        self.stats.invalid_tokens += kept - verified
+        self._sent = (ranks, sent.offsets)
+        self.stats.drafts += sum(map(bool, drafts))
+        self.stats.drafted_tokens += verified
+        self._verified_tokens = verified
         # Requests that left enter the history once this step's drafts are made: the work (their
         # rollouts into the prompt's and the cross-prompt index) then runs with the step's inserts,
         # during the forward, and before the prefetch, whose drafts stay valid only while the
@@ -320,53 +316,36 @@ class NgramRLProposer:
         return drafts
 
     def _rows(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]],
-              num_tokens_no_spec: Any) -> tuple[StepRows, np.ndarray]:
+              num_tokens_no_spec: Any) -> tuple[StepRows, np.ndarray, int, int]:
         """The step's rows that commit tokens for a request with a prompt id, as arrays (one
-        conversion per step, not one object per row), in arrival order, with their arrival ranks."""
-        states, known, arrival, order = self._states(batch, sampled_token_ids)
-        sizes = np.fromiter(map(len, sampled_token_ids), np.int64, len(batch))
-        drafting = known & (sizes > 0)
-        index = np.flatnonzero(drafting) if order is None else order[drafting[order]]
-        every = order is None and len(index) == len(batch)
-        tokens, offsets = flatten_rows(sampled_token_ids, index)
-        room = self.max_model_len - np.asarray(num_tokens_no_spec[:len(batch)], dtype=np.int64)[index] - 1
-        if every:
+        conversion per step, not one object per row), in arrival order; with their arrival ranks,
+        the draft tokens the target accepted of what they were sent last step, and the rows with
+        room for a draft."""
+        states, arrival = self._states(batch, sampled_token_ids)
+        step = committed_rows(sampled_token_ids, arrival, num_tokens_no_spec, self.max_model_len, self.k,
+                              *self._sent)
+        if step.whole:
             req_ids, requests = list(batch), states
         else:
-            req_ids = [batch[i] for i in index.tolist()]
-            requests = states[index] if isinstance(states, np.ndarray) else [states[i] for i in index.tolist()]
-        ks = np.minimum(self.k, room).astype(np.int32)
-        return StepRows(index, req_ids, requests, tokens, offsets, ks), arrival[index]
+            req_ids = [batch[i] for i in step.index.tolist()]
+            # The core's handles are the ranks; the pool's requests are objects.
+            requests = step.ranks if self.core is not None else [states[i] for i in step.index.tolist()]
+        rows = StepRows(step.index, req_ids, requests, step.tokens, step.offsets, step.ks)
+        return rows, step.ranks, step.accepted, step.with_room
 
-    def _states(self, batch: tuple[str, ...],
-                sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray | None]:
-        """Each row's drafting state (the core's handles as an array; the pool's requests), whether
-        it has one (a request with a prompt id), its arrival rank, and the rows in the order their
-        requests came (None: the batch's own order). New requests are admitted here."""
+    def _states(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray]:
+        """Each row's drafting state (the core's handles as an array; the pool's requests) and its
+        arrival rank (NO_PROMPT: a request without a prompt id). New requests are admitted here."""
         if self._batch_states is not None and self._batch_states[0] == batch:
             return self._batch_states[1:]
         arrival = np.fromiter(map(self._arrival.get, batch, itertools.repeat(UNSEEN)), np.int64, len(batch))
         for row in np.flatnonzero(arrival == UNSEEN).tolist():
             self._admit(batch[row], self.runner.requests.get(batch[row]), sampled_token_ids[row])
             arrival[row] = self._arrival[batch[row]]
-        known = arrival >= 0
-        # The core's handles are the ranks (one array, passed to every step as it is); the pool's
-        # requests are objects.
+        # The core's handles are the ranks (one array, passed to every step as it is).
         states = arrival if self.core is not None else [self.requests[req_id] for req_id in batch]
-        order = None if np.all(arrival[1:] > arrival[:-1]) else np.argsort(arrival, kind="stable")
-        self._batch_states = (batch, states, known, arrival, order)
-        return states, known, arrival, order
-
-    def _sent_before(self, ranks: np.ndarray) -> np.ndarray:
-        """The length of the draft each row (by arrival rank) was sent for verification last step
-        (0: none). Both steps' ranks rise: one binary search per row."""
-        sent, lengths = self._sent
-        if np.array_equal(sent, ranks):
-            return lengths
-        if not len(sent):
-            return np.zeros(len(ranks), dtype=np.int64)
-        at = np.minimum(np.searchsorted(sent, ranks), len(sent) - 1)
-        return np.where(sent[at] == ranks, lengths[at], 0)
+        self._batch_states = (batch, states, arrival)
+        return states, arrival
 
     def _exploring(self, step: int) -> bool:
         return self.config.engine.adaptive_length and step >= self._next_probe

@@ -28,6 +28,7 @@
 #include "automaton.hpp"
 #include "estimate.hpp"
 #include "history.hpp"
+#include "rows.hpp"
 
 namespace py = pybind11;
 
@@ -271,10 +272,6 @@ template <typename T>
 std::vector<T> from_array(const py::array_t<T, py::array::c_style | py::array::forcecast>& a) {
     return std::vector<T>(a.data(), a.data() + a.size());
 }
-
-using I32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
-using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
-using F64 = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
 // -- the core ---------------------------------------------------------------------------------
 
@@ -1276,133 +1273,16 @@ private:
 
 using namespace ngramrl;
 
-// DraftBatch.truncated: each row cut to its first keep[i] tokens and before its first token outside
-// 0..vocab - 1 (vocab < 0: no bound), as (tokens, offsets, probs).
-py::tuple truncate_rows(const I32& tokens, const I64& offsets, const F64& probs, const I64& keep, int64_t vocab) {
-    const int64_t rows = keep.size(), num_tokens = tokens.size();
-    if (offsets.size() != rows + 1)
-        throw py::value_error("truncate_rows: " + std::to_string(offsets.size()) + " offsets for " +
-                              std::to_string(rows) + " rows");
-    if (probs.size() != num_tokens)
-        throw py::value_error("truncate_rows: " + std::to_string(probs.size()) + " probabilities for " +
-                              std::to_string(num_tokens) + " tokens");
-    const int64_t* off = offsets.data();
-    const int64_t* kept = keep.data();
-    if (off[0] != 0 || off[rows] != num_tokens)
-        throw py::value_error("truncate_rows: offsets must run from 0 to the " + std::to_string(num_tokens) +
-                              " tokens");
-    for (int64_t i = 0; i < rows; ++i)
-        if (off[i] > off[i + 1])
-            throw py::value_error("truncate_rows: offsets fall at row " + std::to_string(i));
-    const int32_t* tok = tokens.data();
-    const double* prob = probs.data();
-    py::array_t<int64_t> out_offsets(static_cast<py::ssize_t>(rows + 1));
-    int64_t* o = out_offsets.mutable_data();
-    o[0] = 0;
-    for (int64_t i = 0; i < rows; ++i) {
-        const int64_t begin = off[i], limit = begin + std::max<int64_t>(0, std::min(kept[i], off[i + 1] - begin));
-        int64_t end = begin;
-        while (end < limit && (vocab < 0 || (tok[end] >= 0 && tok[end] < vocab))) ++end;
-        o[i + 1] = o[i] + (end - begin);
-    }
-    py::array_t<int32_t> out_tokens(static_cast<py::ssize_t>(o[rows]));
-    py::array_t<double> out_probs(static_cast<py::ssize_t>(o[rows]));
-    int32_t* t = out_tokens.mutable_data();
-    double* p = out_probs.mutable_data();
-    for (int64_t i = 0; i < rows; ++i) {
-        const int64_t n = o[i + 1] - o[i];
-        std::copy(tok + off[i], tok + off[i] + n, t + o[i]);
-        std::copy(prob + off[i], prob + off[i] + n, p + o[i]);
-    }
-    return py::make_tuple(out_tokens, out_offsets, out_probs);
-}
-
-// ngramrl.core.native.draft_lists: ``size`` lists, list positions[i] holding
-// tokens[offsets[rows[i]]:offsets[rows[i] + 1]], the others empty (vLLM's drafts, one list per row).
-py::list draft_lists(int64_t size, const I64& positions, const I64& rows, const I32& tokens, const I64& offsets) {
-    const int64_t n = positions.size(), num_offsets = offsets.size(), num_tokens = tokens.size();
-    if (size < 0) throw py::value_error("draft_lists: size " + std::to_string(size) + " < 0");
-    if (rows.size() != n)
-        throw py::value_error("draft_lists: " + std::to_string(n) + " positions but " + std::to_string(rows.size()) +
-                              " rows");
-    const int64_t* at = positions.data();
-    const int64_t* row = rows.data();
-    const int64_t* off = offsets.data();
-    for (int64_t i = 0; i < n; ++i) {
-        if (at[i] < 0 || at[i] >= size)
-            throw py::value_error("draft_lists: position " + std::to_string(at[i]) + " (entry " + std::to_string(i) +
-                                  ") outside 0.." + std::to_string(size - 1));
-        if (row[i] < 0 || row[i] + 1 >= num_offsets || off[row[i]] < 0 || off[row[i]] > off[row[i] + 1] ||
-            off[row[i] + 1] > num_tokens)
-            throw py::value_error("draft_lists: row " + std::to_string(row[i]) + " (entry " + std::to_string(i) +
-                                  ") has no token range in " + std::to_string(num_offsets) + " offsets over " +
-                                  std::to_string(num_tokens) + " tokens");
-    }
-    const int32_t* tok = tokens.data();
-    PyObject* out = PyList_New(size);
-    if (out == nullptr) throw py::error_already_set();
-    py::list result = py::reinterpret_steal<py::list>(out);
-    for (int64_t p = 0; p < size; ++p) {
-        PyObject* empty = PyList_New(0);
-        if (empty == nullptr) throw py::error_already_set();
-        PyList_SET_ITEM(out, p, empty);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t begin = off[row[i]], end = off[row[i] + 1];
-        PyObject* list = PyList_New(end - begin);
-        if (list == nullptr) throw py::error_already_set();
-        for (int64_t t = begin; t < end; ++t) {
-            PyObject* value = PyLong_FromLong(tok[t]);
-            if (value == nullptr) {
-                Py_DECREF(list);
-                throw py::error_already_set();
-            }
-            PyList_SET_ITEM(list, t - begin, value);
-        }
-        PyList_SetItem(out, at[i], list);  // drops the empty list it replaces
-    }
-    return result;
-}
-
-// ngramrl.core.batch.flatten_rows: the token lists lists[index[i]], flat, with their offsets.
-py::tuple flatten_rows(const py::list& lists, const I64& index) {
-    const int64_t n = index.size(), size = static_cast<int64_t>(PyList_GET_SIZE(lists.ptr()));
-    const int64_t* at = index.data();
-    py::array_t<int64_t> offsets(static_cast<py::ssize_t>(n + 1));
-    int64_t* off = offsets.mutable_data();
-    off[0] = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        if (at[i] < 0 || at[i] >= size)
-            throw py::value_error("flatten_rows: index " + std::to_string(at[i]) + " (entry " + std::to_string(i) +
-                                  ") outside 0.." + std::to_string(size - 1));
-        PyObject* row = PyList_GET_ITEM(lists.ptr(), at[i]);
-        if (!PyList_Check(row))
-            throw py::type_error("flatten_rows: row " + std::to_string(at[i]) + " is not a list");
-        off[i + 1] = off[i] + static_cast<int64_t>(PyList_GET_SIZE(row));
-    }
-    py::array_t<int32_t> tokens(static_cast<py::ssize_t>(off[n]));
-    int32_t* out = tokens.mutable_data();
-    for (int64_t i = 0; i < n; ++i) {
-        PyObject* row = PyList_GET_ITEM(lists.ptr(), at[i]);
-        for (int64_t t = 0; t < off[i + 1] - off[i]; ++t) {
-            const long value = PyLong_AsLong(PyList_GET_ITEM(row, t));
-            if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
-            if (value < INT32_MIN || value > INT32_MAX)
-                throw py::value_error("flatten_rows: token " + std::to_string(value) + " of row " +
-                                      std::to_string(at[i]) + " is not an int32");
-            out[off[i] + t] = static_cast<int32_t>(value);
-        }
-    }
-    return py::make_tuple(tokens, offsets);
-}
-
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
-    m.def("flatten_rows", &flatten_rows, py::arg("lists"), py::arg("index"));
+    m.def("committed_rows", &committed_rows, py::arg("sampled"), py::arg("arrival"), py::arg("num_tokens"),
+          py::arg("max_model_len"), py::arg("k"), py::arg("sent_ranks"), py::arg("sent_lengths"));
     m.def("truncate_rows", &truncate_rows, py::arg("tokens"), py::arg("offsets"), py::arg("probs"), py::arg("keep"),
           py::arg("vocab"));
     m.def("draft_lists", &draft_lists, py::arg("size"), py::arg("positions"), py::arg("rows"), py::arg("tokens"),
           py::arg("offsets"));
+    m.def("target_rows", &target_rows, py::arg("tokens"), py::arg("offsets"), py::arg("probs"), py::arg("keep"),
+          py::arg("vocab"), py::arg("size"), py::arg("positions"));
     py::class_<Core>(m, "Core")
         .def(py::init([](int64_t rollouts_per_prompt, int64_t epochs_kept, int64_t max_tokens, int64_t prompt_tail,
                          int32_t max_draft, double min_confidence, int32_t min_match, int32_t rematch_tokens,

@@ -20,7 +20,15 @@ import pytest
 
 from ngramrl.bench.run import builtin_traces
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
-from ngramrl.core.batch import DraftBatch, OutcomeBatch, ReferenceCore, as_rows, flatten_rows, make_core, native_module
+from ngramrl.core.batch import (
+    DraftBatch,
+    OutcomeBatch,
+    ReferenceCore,
+    as_rows,
+    committed_rows,
+    make_core,
+    native_module,
+)
 from ngramrl.core.drafter import Draft
 from ngramrl.core.trace import read_trace
 
@@ -409,7 +417,7 @@ def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
     import ngramrl
     from ngramrl.core.batch import make_core, native_module
 
-    stale = SimpleNamespace(Core=type("Core", (), {}))  # no truncate_rows: built before it existed
+    stale = SimpleNamespace(Core=type("Core", (), {}))  # no committed_rows: built before it existed
     monkeypatch.setitem(sys.modules, "ngramrl._native", stale)
     monkeypatch.setattr(ngramrl, "_native", stale, raising=False)
     assert native_module() is None
@@ -530,20 +538,77 @@ def test_draft_lists_give_each_row_its_draft_in_its_own_list(native_lists, monke
 
 
 @pytest.mark.parametrize("native_rows", [False, True], ids=["python", "native"])
-def test_flatten_rows_gives_the_chosen_rows_tokens_flat(native_rows, monkeypatch):
+def test_committed_rows_are_the_rows_with_a_prompt_and_tokens_in_arrival_order(native_rows, monkeypatch):
+    """A vLLM step as arrays: the rows with an arrival rank and sampled tokens, ordered by rank,
+    their tokens flat, their room for a draft, and the tokens accepted of last step's drafts
+    (a row that was sent a draft committed its accepted tokens and one of the target's)."""
     if not native_rows:
         monkeypatch.setenv("NGRAMRL_NATIVE", "0")
     assert (native_module() is not None) == native_rows
     rng = random.Random(6)
-    lists = [[rng.randrange(150_000) for _ in range(rng.randrange(0, 5))] for _ in range(50)]
-    index = [i for i in range(50) if i % 3]
-    tokens, offsets = flatten_rows(lists, index)
-    assert tokens.dtype == np.int32 and offsets.dtype == np.int64
-    assert [tokens[offsets[n]:offsets[n + 1]].tolist() for n in range(len(index))] == [lists[i] for i in index]
-    assert flatten_rows(lists, [])[1].tolist() == [0]
-    assert flatten_rows([tuple(x) for x in lists], index)[0].tolist() == tokens.tolist()  # rows that are not lists
-    with pytest.raises(ValueError, match="index"):
-        flatten_rows(lists, [50])
+    for trial in range(30):
+        n = rng.randrange(0, 60)
+        sampled = [[rng.randrange(150_000) for _ in range(rng.randrange(0, 5))] for _ in range(n)]
+        ranks = rng.sample(range(1000), n)
+        arrival = np.array([-1 if rng.random() < 0.2 else r for r in ranks], dtype=np.int64)
+        if trial % 3 == 0:  # a batch already in arrival order
+            arrival = np.sort(arrival)
+        num_tokens = np.array([rng.randrange(90, 101) for _ in range(n)], dtype=np.int32)
+        sent_ranks = np.array(sorted(rng.sample(range(1000), rng.randrange(0, 40))), dtype=np.int64)
+        sent_offsets = np.concatenate([[0], np.cumsum([rng.randrange(0, 4) for _ in sent_ranks])]).astype(np.int64)
+        step = committed_rows(sampled, arrival, num_tokens, 100, 8, sent_ranks, sent_offsets)
+        index = sorted((i for i in range(n) if arrival[i] >= 0 and sampled[i]), key=lambda i: arrival[i])
+        assert step.index.tolist() == index and step.ranks.tolist() == [arrival[i] for i in index]
+        assert step.tokens.dtype == np.int32 and step.offsets.dtype == np.int64 and step.ks.dtype == np.int32
+        assert [step.tokens[step.offsets[r]:step.offsets[r + 1]].tolist() for r in range(len(index))] == \
+            [sampled[i] for i in index]
+        assert step.ks.tolist() == [min(8, 100 - int(num_tokens[i]) - 1) for i in index]
+        assert step.with_room == sum(min(8, 99 - int(num_tokens[i])) > 0 for i in index)
+        sent = {int(r): int(sent_offsets[j + 1] - sent_offsets[j]) for j, r in enumerate(sent_ranks)}
+        assert step.accepted == sum(len(sampled[i]) - 1 for i in index if sent.get(int(arrival[i]), 0) > 0)
+        assert step.whole == (index == list(range(n)))
+    none = np.zeros(0, dtype=np.int64)
+    whole = committed_rows([[1], [2, 3]], np.array([4, 7]), [0, 0], 100, 8, none, np.zeros(1, dtype=np.int64))
+    assert whole.whole and whole.tokens.tolist() == [1, 2, 3] and whole.accepted == 0
+    rows_as_tuples = committed_rows([(1,), (2, 3)], np.array([7, 4]), [0, 0], 100, 8, none, np.zeros(1, dtype=np.int64))
+    assert rows_as_tuples.index.tolist() == [1, 0] and rows_as_tuples.tokens.tolist() == [2, 3, 1]
+    with pytest.raises(ValueError, match="arrival ranks"):
+        committed_rows([[1]], np.array([0, 1]), [0, 0], 100, 8, none, np.zeros(1, dtype=np.int64))
+    with pytest.raises(ValueError, match="sent offsets"):
+        committed_rows([[1]], np.array([0]), [0], 100, 8, np.array([0]), np.zeros(1, dtype=np.int64))
+    with pytest.raises(ValueError, match="must rise"):
+        committed_rows([[1]], np.array([0]), [0], 100, 8, np.array([3, 3]), np.zeros(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="int32"):
+        committed_rows([[1 << 40]], np.array([0]), [0], 100, 8, none, np.zeros(1, dtype=np.int64))
+
+
+@pytest.mark.parametrize("native_target", [False, True], ids=["python", "native"])
+def test_for_target_gives_the_truncated_drafts_as_vllm_lists_and_counts_the_tokens_kept(native_target, monkeypatch):
+    if not native_target:
+        monkeypatch.setenv("NGRAMRL_NATIVE", "0")
+    assert (native_module() is not None) == native_target
+    rng = random.Random(8)
+    drafts = []
+    for _ in range(50):
+        tokens = [1000 if rng.random() < 0.1 else rng.randrange(1000) for _ in range(rng.randrange(0, 9))]
+        drafts.append(Draft(tokens, [rng.random() for _ in tokens], 2, "prompt"))
+    batch = DraftBatch.from_drafts(drafts)
+    lengths = [rng.randrange(-1, 11) for _ in drafts]
+    positions = rng.sample(range(80), len(drafts))
+    sent, lists, kept = batch.for_target(lengths, 1000, 80, positions)
+    cut = batch.truncated(lengths, 1000)
+    assert sent.tokens.tolist() == cut.tokens.tolist() and sent.offsets.tolist() == cut.offsets.tolist()
+    assert sent.probs.tolist() == cut.probs.tolist() and sent.matched.tolist() == batch.matched.tolist()
+    expected = [[] for _ in range(80)]
+    for i, position in enumerate(positions):
+        expected[position] = cut.draft(i).tokens
+    assert lists == expected and len({id(x) for x in lists}) == 80
+    assert kept == sum(max(0, min(n, len(d.tokens))) for d, n in zip(drafts, lengths, strict=True))
+    assert kept > int(sent.offsets[-1])  # some tokens were cut at the vocabulary
+    with pytest.raises(ValueError, match="positions"):
+        batch.for_target(lengths, 1000, 80, positions[1:])
+    with pytest.raises(ValueError, match="position"):
+        batch.for_target(lengths, 1000, 10, positions)
 
 
 @pytest.mark.parametrize("native_cut", [False, True], ids=["python", "native"])

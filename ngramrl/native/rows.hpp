@@ -1,0 +1,230 @@
+// The engine's rows as arrays and back (ngramrl/core/batch.py: committed_rows, DraftBatch.truncated,
+// DraftBatch.lists, DraftBatch.for_target): what a vLLM step hands the proposer (one Python list
+// of sampled tokens per row) becomes the drafting core's flat arrays in one pass, and the drafts
+// become vLLM's lists in one pass. After a forward has flushed the caches each NumPy call costs
+// 10-30 us at a few hundred rows, so a step's array work is done here, not as a dozen NumPy calls.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace ngramrl {
+
+using I32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using F64 = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+// Row i's token list, checked to be a list (a TypeError sends the caller to the general path).
+inline PyObject* row_list(const py::list& lists, int64_t i, const char* where) {
+    PyObject* row = PyList_GET_ITEM(lists.ptr(), i);
+    if (!PyList_Check(row)) throw py::type_error(std::string(where) + ": row " + std::to_string(i) + " is not a list");
+    return row;
+}
+
+// The lists' rows ``at[0..n)`` flat as int32 into ``out`` (offsets ``off``, computed already).
+inline void copy_tokens(const py::list& lists, const int64_t* at, int64_t n, const int64_t* off, int32_t* out,
+                        const char* where) {
+    for (int64_t i = 0; i < n; ++i) {
+        PyObject* row = PyList_GET_ITEM(lists.ptr(), at[i]);
+        for (int64_t t = 0; t < off[i + 1] - off[i]; ++t) {
+            const long value = PyLong_AsLong(PyList_GET_ITEM(row, t));
+            if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
+            if (value < INT32_MIN || value > INT32_MAX)
+                throw py::value_error(std::string(where) + ": token " + std::to_string(value) + " of row " +
+                                      std::to_string(at[i]) + " is not an int32");
+            out[off[i] + t] = static_cast<int32_t>(value);
+        }
+    }
+}
+
+// ngramrl.core.batch.committed_rows: the rows with an arrival rank (>= 0) and sampled tokens, in
+// arrival order, as (index, ranks, tokens, offsets, ks, accepted, rows with room, in batch order).
+// Row r of the last step (rank sent_ranks[r]) was sent sent_offsets[r + 1] - sent_offsets[r] draft tokens.
+inline py::tuple committed_rows(const py::list& sampled, const I64& arrival, const I64& num_tokens, int64_t max_model_len,
+                                int32_t k, const I64& sent_ranks, const I64& sent_offsets) {
+    const int64_t n = arrival.size(), sent = sent_ranks.size();
+    if (static_cast<int64_t>(PyList_GET_SIZE(sampled.ptr())) != n)
+        throw py::value_error("committed_rows: " + std::to_string(PyList_GET_SIZE(sampled.ptr())) +
+                              " rows of sampled tokens for " + std::to_string(n) + " arrival ranks");
+    if (num_tokens.size() < n)
+        throw py::value_error("committed_rows: " + std::to_string(num_tokens.size()) + " token counts for " +
+                              std::to_string(n) + " rows");
+    if (sent_offsets.size() != sent + 1)
+        throw py::value_error("committed_rows: " + std::to_string(sent_offsets.size()) + " sent offsets for " +
+                              std::to_string(sent) + " sent ranks (one more is needed)");
+    const int64_t* rank = arrival.data();
+    const int64_t* before = sent_ranks.data();
+    for (int64_t i = 1; i < sent; ++i)
+        if (before[i] <= before[i - 1])
+            throw py::value_error("committed_rows: the sent ranks must rise (entry " + std::to_string(i) + ")");
+    std::vector<int64_t> chosen;
+    chosen.reserve(n);
+    for (int64_t i = 0; i < n; ++i)
+        if (rank[i] >= 0 && PyList_GET_SIZE(row_list(sampled, i, "committed_rows")) > 0) chosen.push_back(i);
+    const bool in_order = std::is_sorted(chosen.begin(), chosen.end(),
+                                         [&](int64_t a, int64_t b) { return rank[a] < rank[b]; });
+    if (!in_order)
+        std::stable_sort(chosen.begin(), chosen.end(), [&](int64_t a, int64_t b) { return rank[a] < rank[b]; });
+    const int64_t rows = static_cast<int64_t>(chosen.size());
+    py::array_t<int64_t> index(rows), ranks(rows), offsets(rows + 1);
+    py::array_t<int32_t> ks(rows);
+    int64_t* at = index.mutable_data();
+    int64_t* rk = ranks.mutable_data();
+    int64_t* off = offsets.mutable_data();
+    int32_t* room = ks.mutable_data();
+    const int64_t* length = num_tokens.data();
+    const int64_t* verified = sent_offsets.data();
+    off[0] = 0;
+    int64_t accepted = 0, with_room = 0, s = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = chosen[r];
+        at[r] = i;
+        rk[r] = rank[i];
+        const int64_t size = static_cast<int64_t>(PyList_GET_SIZE(PyList_GET_ITEM(sampled.ptr(), i)));
+        off[r + 1] = off[r] + size;
+        const int64_t left = max_model_len - length[i] - 1;
+        room[r] = static_cast<int32_t>(std::max<int64_t>(INT32_MIN, std::min<int64_t>(k, left)));
+        with_room += room[r] > 0;
+        // Both rank lists rise: one merge. The token after the accepted ones is the target's own.
+        while (s < sent && before[s] < rank[i]) ++s;
+        if (s < sent && before[s] == rank[i] && verified[s + 1] > verified[s]) accepted += size - 1;
+    }
+    py::array_t<int32_t> tokens(off[rows]);
+    copy_tokens(sampled, at, rows, off, tokens.mutable_data(), "committed_rows");
+    const bool whole = in_order && rows == n;
+    return py::make_tuple(index, ranks, tokens, offsets, ks, accepted, with_room, whole);
+}
+
+// Checked row ranges of a flat batch (offsets rising from 0 to the tokens).
+inline void check_offsets(const I64& offsets, int64_t rows, int64_t num_tokens, const char* where) {
+    if (offsets.size() != rows + 1)
+        throw py::value_error(std::string(where) + ": " + std::to_string(offsets.size()) + " offsets for " +
+                              std::to_string(rows) + " rows");
+    const int64_t* off = offsets.data();
+    if (off[0] != 0 || off[rows] != num_tokens)
+        throw py::value_error(std::string(where) + ": offsets must run from 0 to the " + std::to_string(num_tokens) +
+                              " tokens");
+    for (int64_t i = 0; i < rows; ++i)
+        if (off[i] > off[i + 1]) throw py::value_error(std::string(where) + ": offsets fall at row " + std::to_string(i));
+}
+
+// Each row cut to its first keep[i] tokens and before its first token outside 0..vocab - 1
+// (vocab < 0: no bound), as (tokens, offsets, probs); ``kept``: the tokens within keep.
+inline py::tuple truncate_into(const I32& tokens, const I64& offsets, const F64& probs, const I64& keep, int64_t vocab,
+                               int64_t& kept, const char* where) {
+    const int64_t rows = keep.size(), num_tokens = tokens.size();
+    check_offsets(offsets, rows, num_tokens, where);
+    if (probs.size() != num_tokens)
+        throw py::value_error(std::string(where) + ": " + std::to_string(probs.size()) + " probabilities for " +
+                              std::to_string(num_tokens) + " tokens");
+    const int64_t* off = offsets.data();
+    const int64_t* limit_of = keep.data();
+    const int32_t* tok = tokens.data();
+    const double* prob = probs.data();
+    py::array_t<int64_t> out_offsets(rows + 1);
+    int64_t* o = out_offsets.mutable_data();
+    o[0] = 0;
+    kept = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t begin = off[i], limit = begin + std::max<int64_t>(0, std::min(limit_of[i], off[i + 1] - begin));
+        kept += limit - begin;
+        int64_t end = begin;
+        while (end < limit && (vocab < 0 || (tok[end] >= 0 && tok[end] < vocab))) ++end;
+        o[i + 1] = o[i] + (end - begin);
+    }
+    py::array_t<int32_t> out_tokens(o[rows]);
+    py::array_t<double> out_probs(o[rows]);
+    int32_t* t = out_tokens.mutable_data();
+    double* p = out_probs.mutable_data();
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t n = o[i + 1] - o[i];
+        std::copy(tok + off[i], tok + off[i] + n, t + o[i]);
+        std::copy(prob + off[i], prob + off[i] + n, p + o[i]);
+    }
+    return py::make_tuple(out_tokens, out_offsets, out_probs);
+}
+
+// ``size`` lists, list positions[i] holding row rows[i] (rows == nullptr: row i) of the flat
+// tokens, the others empty, each its own object (vLLM trims them in place).
+inline py::list lists_of(int64_t size, const I64& positions, const int64_t* rows, const int32_t* tok,
+                         const int64_t* off, int64_t num_offsets, int64_t num_tokens, const char* where) {
+    const int64_t n = positions.size();
+    if (size < 0) throw py::value_error(std::string(where) + ": size " + std::to_string(size) + " < 0");
+    const int64_t* at = positions.data();
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = rows ? rows[i] : i;
+        if (at[i] < 0 || at[i] >= size)
+            throw py::value_error(std::string(where) + ": position " + std::to_string(at[i]) + " (entry " +
+                                  std::to_string(i) + ") outside 0.." + std::to_string(size - 1));
+        if (row < 0 || row + 1 >= num_offsets || off[row] < 0 || off[row] > off[row + 1] || off[row + 1] > num_tokens)
+            throw py::value_error(std::string(where) + ": row " + std::to_string(row) + " (entry " +
+                                  std::to_string(i) + ") has no token range in " + std::to_string(num_offsets) +
+                                  " offsets over " + std::to_string(num_tokens) + " tokens");
+    }
+    PyObject* out = PyList_New(size);
+    if (out == nullptr) throw py::error_already_set();
+    py::list result = py::reinterpret_steal<py::list>(out);
+    for (int64_t p = 0; p < size; ++p) {
+        PyObject* empty = PyList_New(0);
+        if (empty == nullptr) throw py::error_already_set();
+        PyList_SET_ITEM(out, p, empty);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = rows ? rows[i] : i;
+        const int64_t begin = off[row], end = off[row + 1];
+        PyObject* list = PyList_New(end - begin);
+        if (list == nullptr) throw py::error_already_set();
+        for (int64_t t = begin; t < end; ++t) {
+            PyObject* value = PyLong_FromLong(tok[t]);
+            if (value == nullptr) {
+                Py_DECREF(list);
+                throw py::error_already_set();
+            }
+            PyList_SET_ITEM(list, t - begin, value);
+        }
+        PyList_SetItem(out, at[i], list);  // drops the empty list it replaces
+    }
+    return result;
+}
+
+// DraftBatch.truncated, as (tokens, offsets, probs).
+inline py::tuple truncate_rows(const I32& tokens, const I64& offsets, const F64& probs, const I64& keep, int64_t vocab) {
+    int64_t kept = 0;
+    return truncate_into(tokens, offsets, probs, keep, vocab, kept, "truncate_rows");
+}
+
+// DraftBatch.lists.
+inline py::list draft_lists(int64_t size, const I64& positions, const I64& rows, const I32& tokens, const I64& offsets) {
+    if (rows.size() != positions.size())
+        throw py::value_error("draft_lists: " + std::to_string(positions.size()) + " positions but " +
+                              std::to_string(rows.size()) + " rows");
+    return lists_of(size, positions, rows.data(), tokens.data(), offsets.data(), offsets.size(), tokens.size(),
+                    "draft_lists");
+}
+
+// DraftBatch.for_target: truncated, then row i's draft in list positions[i] of ``size``, as
+// (tokens, offsets, probs, lists, tokens within keep).
+inline py::tuple target_rows(const I32& tokens, const I64& offsets, const F64& probs, const I64& keep, int64_t vocab,
+                             int64_t size, const I64& positions) {
+    if (positions.size() != keep.size())
+        throw py::value_error("for_target: " + std::to_string(positions.size()) + " positions for " +
+                              std::to_string(keep.size()) + " rows");
+    int64_t kept = 0;
+    py::tuple cut = truncate_into(tokens, offsets, probs, keep, vocab, kept, "for_target");
+    const auto cut_tokens = cut[0].cast<py::array_t<int32_t>>();
+    const auto cut_offsets = cut[1].cast<py::array_t<int64_t>>();
+    py::list lists = lists_of(size, positions, nullptr, cut_tokens.data(), cut_offsets.data(), cut_offsets.size(),
+                              cut_tokens.size(), "for_target");
+    return py::make_tuple(cut[0], cut[1], cut[2], lists, kept);
+}
+
+}  // namespace ngramrl
