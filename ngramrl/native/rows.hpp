@@ -154,12 +154,17 @@ inline py::tuple truncate_into(const I32& tokens, const I64& offsets, const F64&
 }
 
 // ``size`` lists, list positions[i] holding row rows[i] (rows == nullptr: row i) of the flat
-// tokens, the others empty, each its own object (vLLM trims them in place).
+// tokens (a later entry for the same position wins), the others empty, each its own object (vLLM
+// trims them in place). Each list is made once, and is not tracked by Python's cycle collector:
+// lists of ints cannot be part of a cycle, and vLLM holds them past the step, so tracked they
+// would be traversed by every collection until they die (at 1024 rows the collections inside the
+// proposer's call, set off by these allocations, took about 1 ms per step).
 inline py::list lists_of(int64_t size, const I64& positions, const int64_t* rows, const int32_t* tok,
                          const int64_t* off, int64_t num_offsets, int64_t num_tokens, const char* where) {
     const int64_t n = positions.size();
     if (size < 0) throw py::value_error(std::string(where) + ": size " + std::to_string(size) + " < 0");
     const int64_t* at = positions.data();
+    std::vector<int64_t> row_at(static_cast<size_t>(size), -1);
     for (int64_t i = 0; i < n; ++i) {
         const int64_t row = rows ? rows[i] : i;
         if (at[i] < 0 || at[i] >= size)
@@ -169,18 +174,14 @@ inline py::list lists_of(int64_t size, const I64& positions, const int64_t* rows
             throw py::value_error(std::string(where) + ": row " + std::to_string(row) + " (entry " +
                                   std::to_string(i) + ") has no token range in " + std::to_string(num_offsets) +
                                   " offsets over " + std::to_string(num_tokens) + " tokens");
+        row_at[at[i]] = row;
     }
     PyObject* out = PyList_New(size);
     if (out == nullptr) throw py::error_already_set();
     py::list result = py::reinterpret_steal<py::list>(out);
     for (int64_t p = 0; p < size; ++p) {
-        PyObject* empty = PyList_New(0);
-        if (empty == nullptr) throw py::error_already_set();
-        PyList_SET_ITEM(out, p, empty);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t row = rows ? rows[i] : i;
-        const int64_t begin = off[row], end = off[row + 1];
+        const int64_t row = row_at[p];
+        const int64_t begin = row < 0 ? 0 : off[row], end = row < 0 ? 0 : off[row + 1];
         PyObject* list = PyList_New(end - begin);
         if (list == nullptr) throw py::error_already_set();
         for (int64_t t = begin; t < end; ++t) {
@@ -191,7 +192,8 @@ inline py::list lists_of(int64_t size, const I64& positions, const int64_t* rows
             }
             PyList_SET_ITEM(list, t - begin, value);
         }
-        PyList_SetItem(out, at[i], list);  // drops the empty list it replaces
+        PyObject_GC_UnTrack(list);
+        PyList_SET_ITEM(out, p, list);
     }
     return result;
 }
