@@ -508,13 +508,18 @@ def test_chains_chosen_from_trees_are_the_same_in_both_cores(path_width):
     assert drafted > 10
 
 
-@pytest.mark.parametrize("native_lists", [False, True], ids=["python", "native"])
-def test_draft_lists_give_each_row_its_draft_in_its_own_list(native_lists, monkeypatch):
+@pytest.fixture(params=[False, True], ids=["python", "native"])
+def native_path(request, monkeypatch) -> bool:
+    """The C++ path of ngramrl.core.batch's array helpers (True) or their NumPy reference."""
+    if not request.param:
+        monkeypatch.setenv("NGRAMRL_NATIVE", "0")
+    assert (native_module() is not None) == request.param
+    return request.param
+
+
+def test_draft_lists_give_each_row_its_draft_in_its_own_list(native_path):
     """vLLM's drafts: one list object per batch row (it trims them in place), the rows with a draft
     holding their tokens, the rest empty; the same from the C++ builder and the Python one."""
-    if not native_lists:
-        monkeypatch.setenv("NGRAMRL_NATIVE", "0")
-    assert (native_module() is not None) == native_lists
     rng = random.Random(5)
     drafts = []
     for _ in range(40):
@@ -529,7 +534,7 @@ def test_draft_lists_give_each_row_its_draft_in_its_own_list(native_lists, monke
     for position, row in zip(positions, rows, strict=True):
         expected[position] = drafts[row].tokens
     assert lists == expected and all(type(t) is int for x in lists for t in x)
-    if native_lists:  # lists of ints are no work for the cycle collector (vLLM holds them past the step)
+    if native_path:  # lists of ints are no work for the cycle collector (vLLM holds them past the step)
         assert not any(gc.is_tracked(x) for x in lists)
     assert batch.lists(0, [], []) == []
     with pytest.raises(ValueError, match="position"):
@@ -540,14 +545,10 @@ def test_draft_lists_give_each_row_its_draft_in_its_own_list(native_lists, monke
         batch.lists(10, [0, 1], [rows[0]])
 
 
-@pytest.mark.parametrize("native_rows", [False, True], ids=["python", "native"])
-def test_committed_rows_are_the_rows_with_a_prompt_and_tokens_in_arrival_order(native_rows, monkeypatch):
+def test_committed_rows_are_the_rows_with_a_prompt_and_tokens_in_arrival_order(native_path):
     """A vLLM step as arrays: the rows with an arrival rank and sampled tokens, ordered by rank,
     their tokens flat, their room for a draft, and the tokens accepted of last step's drafts
     (a row that was sent a draft committed its accepted tokens and one of the target's)."""
-    if not native_rows:
-        monkeypatch.setenv("NGRAMRL_NATIVE", "0")
-    assert (native_module() is not None) == native_rows
     rng = random.Random(6)
     for trial in range(30):
         n = rng.randrange(0, 60)
@@ -585,11 +586,7 @@ def test_committed_rows_are_the_rows_with_a_prompt_and_tokens_in_arrival_order(n
         committed_rows([[1 << 40]], np.array([0]), [0], 100, 8, none, np.zeros(1, dtype=np.int64))
 
 
-@pytest.mark.parametrize("native_target", [False, True], ids=["python", "native"])
-def test_for_target_gives_the_truncated_drafts_as_vllm_lists_and_counts_the_tokens_kept(native_target, monkeypatch):
-    if not native_target:
-        monkeypatch.setenv("NGRAMRL_NATIVE", "0")
-    assert (native_module() is not None) == native_target
+def test_for_target_gives_the_truncated_drafts_as_vllm_lists_and_counts_the_tokens_kept(native_path):
     rng = random.Random(8)
     drafts = []
     for _ in range(50):
@@ -614,14 +611,9 @@ def test_for_target_gives_the_truncated_drafts_as_vllm_lists_and_counts_the_toke
         batch.for_target(lengths, 1000, 10, positions)
 
 
-@pytest.mark.parametrize("native_cut", [False, True], ids=["python", "native"])
-def test_truncated_keeps_each_rows_first_tokens_up_to_its_first_token_outside_the_vocabulary(native_cut,
-                                                                                              monkeypatch):
+def test_truncated_keeps_each_rows_first_tokens_up_to_its_first_token_outside_the_vocabulary(native_path):
     """What goes to the target: row i's first lengths[i] tokens with their estimates, cut before
     the first token that is not an id of the vocabulary; the same from C++ and from numpy."""
-    if not native_cut:
-        monkeypatch.setenv("NGRAMRL_NATIVE", "0")
-    assert (native_module() is not None) == native_cut
     rng = random.Random(7)
     drafts = []
     for _ in range(60):
