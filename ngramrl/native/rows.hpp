@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <numeric>
 #include <string>
 #include <vector>
 
@@ -117,10 +116,17 @@ inline void check_offsets(const I64& offsets, int64_t rows, int64_t num_tokens, 
         if (off[i] > off[i + 1]) throw py::value_error(std::string(where) + ": offsets fall at row " + std::to_string(i));
 }
 
+struct CutRows {
+    py::array_t<int32_t> tokens;
+    py::array_t<int64_t> offsets;
+    py::array_t<double> probs;
+    int64_t kept = 0;  // the tokens within keep, before the vocabulary's cut
+};
+
 // Each row cut to its first keep[i] tokens and before its first token outside 0..vocab - 1
-// (vocab < 0: no bound), as (tokens, offsets, probs); ``kept``: the tokens within keep.
-inline py::tuple truncate_into(const I32& tokens, const I64& offsets, const F64& probs, const I64& keep, int64_t vocab,
-                               int64_t& kept, const char* where) {
+// (vocab < 0: no bound).
+inline CutRows cut_rows(const I32& tokens, const I64& offsets, const F64& probs, const I64& keep, int64_t vocab,
+                        const char* where) {
     const int64_t rows = keep.size(), num_tokens = tokens.size();
     check_offsets(offsets, rows, num_tokens, where);
     if (probs.size() != num_tokens)
@@ -130,27 +136,27 @@ inline py::tuple truncate_into(const I32& tokens, const I64& offsets, const F64&
     const int64_t* limit_of = keep.data();
     const int32_t* tok = tokens.data();
     const double* prob = probs.data();
-    py::array_t<int64_t> out_offsets(rows + 1);
-    int64_t* o = out_offsets.mutable_data();
+    CutRows cut;
+    cut.offsets = py::array_t<int64_t>(rows + 1);
+    int64_t* o = cut.offsets.mutable_data();
     o[0] = 0;
-    kept = 0;
     for (int64_t i = 0; i < rows; ++i) {
         const int64_t begin = off[i], limit = begin + std::max<int64_t>(0, std::min(limit_of[i], off[i + 1] - begin));
-        kept += limit - begin;
+        cut.kept += limit - begin;
         int64_t end = begin;
         while (end < limit && (vocab < 0 || (tok[end] >= 0 && tok[end] < vocab))) ++end;
         o[i + 1] = o[i] + (end - begin);
     }
-    py::array_t<int32_t> out_tokens(o[rows]);
-    py::array_t<double> out_probs(o[rows]);
-    int32_t* t = out_tokens.mutable_data();
-    double* p = out_probs.mutable_data();
+    cut.tokens = py::array_t<int32_t>(o[rows]);
+    cut.probs = py::array_t<double>(o[rows]);
+    int32_t* t = cut.tokens.mutable_data();
+    double* p = cut.probs.mutable_data();
     for (int64_t i = 0; i < rows; ++i) {
         const int64_t n = o[i + 1] - o[i];
         std::copy(tok + off[i], tok + off[i] + n, t + o[i]);
         std::copy(prob + off[i], prob + off[i] + n, p + o[i]);
     }
-    return py::make_tuple(out_tokens, out_offsets, out_probs);
+    return cut;
 }
 
 // ``size`` lists, list positions[i] holding row rows[i] (rows == nullptr: row i) of the flat
@@ -200,8 +206,8 @@ inline py::list lists_of(int64_t size, const I64& positions, const int64_t* rows
 
 // DraftBatch.truncated, as (tokens, offsets, probs).
 inline py::tuple truncate_rows(const I32& tokens, const I64& offsets, const F64& probs, const I64& keep, int64_t vocab) {
-    int64_t kept = 0;
-    return truncate_into(tokens, offsets, probs, keep, vocab, kept, "truncate_rows");
+    CutRows cut = cut_rows(tokens, offsets, probs, keep, vocab, "truncate_rows");
+    return py::make_tuple(cut.tokens, cut.offsets, cut.probs);
 }
 
 // DraftBatch.lists.
@@ -220,13 +226,10 @@ inline py::tuple target_rows(const I32& tokens, const I64& offsets, const F64& p
     if (positions.size() != keep.size())
         throw py::value_error("for_target: " + std::to_string(positions.size()) + " positions for " +
                               std::to_string(keep.size()) + " rows");
-    int64_t kept = 0;
-    py::tuple cut = truncate_into(tokens, offsets, probs, keep, vocab, kept, "for_target");
-    const auto cut_tokens = cut[0].cast<py::array_t<int32_t>>();
-    const auto cut_offsets = cut[1].cast<py::array_t<int64_t>>();
-    py::list lists = lists_of(size, positions, nullptr, cut_tokens.data(), cut_offsets.data(), cut_offsets.size(),
-                              cut_tokens.size(), "for_target");
-    return py::make_tuple(cut[0], cut[1], cut[2], lists, kept);
+    CutRows cut = cut_rows(tokens, offsets, probs, keep, vocab, "for_target");
+    py::list lists = lists_of(size, positions, nullptr, cut.tokens.data(), cut.offsets.data(), cut.offsets.size(),
+                              cut.tokens.size(), "for_target");
+    return py::make_tuple(cut.tokens, cut.offsets, cut.probs, lists, cut.kept);
 }
 
 }  // namespace ngramrl
