@@ -182,7 +182,7 @@ def _project(args: argparse.Namespace) -> int:
                               methods=args.method or ProjectConfig.__dataclass_fields__["methods"].default_factory(),
                               k=args.k, threads=args.threads, copies=args.copies, waves=args.waves,
                               host=HostOverhead(*args.host_ms) if args.host_ms else None, flush_mb=args.flush_mb,
-                              cpu_scale=args.cpu_scale, json_out=args.json))
+                              cpu_scale=args.cpu_scale, jobs=args.jobs, json_out=args.json))
     return 0
 
 
@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                                               "flight (docs/bench-contract.md)")
     steps.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (.jsonl or .jsonl.gz)")
     steps.add_argument("--batch", type=int, nargs="+", required=True, metavar="B", help="requests in flight")
-    steps.add_argument("--threads", type=int, default=1, help="threads the drafting core may use per step")
+    steps.add_argument("--threads", type=int, nargs="+", default=[1], metavar="T",
+                       help="threads the drafting core may use per step (several: one run each)")
     steps.add_argument("--method", nargs="+", default=["ngramrl", "ngramrl-prefetch", "suffix"],
                        help="ngramrl, ngramrl-prefetch, suffix (default: all three)")
     steps.add_argument("--k", type=int, default=8, help="most draft tokens per request per step")
@@ -291,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     proj.add_argument("--cpu-scale", type=float, default=1.0,
                       help="count the proposers' CPU time this many times what it takes here (the engine host's CPU "
                            "against this one; 0: drafting costs no time, the bound a free drafting core would reach)")
+    proj.add_argument("--jobs", type=int, default=1,
+                      help="(trace, batch) units projected at once, each in a process of its own (at most the "
+                           "cores free: each measures its drafting time on its own)")
     proj.add_argument("--json", help="write the results as JSON here")
     proj.set_defaults(func=_project)
 

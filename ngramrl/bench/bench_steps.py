@@ -30,7 +30,7 @@ STEP_METHODS = ("ngramrl", "ngramrl-prefetch", "suffix")
 class BenchStepsConfig:
     traces: list[str]
     batches: list[int]
-    threads: int = 1
+    threads: list[int] = field(default_factory=lambda: [1])
     methods: list[str] = field(default_factory=lambda: list(STEP_METHODS))
     k: int = 8
     profile: str | None = None    # a step profile's path; None: the H100 roofline of Qwen3-8B
@@ -43,8 +43,8 @@ class BenchStepsConfig:
             raise ValueError("no trace given")
         if not self.batches or any(b < 1 for b in self.batches):
             raise ValueError(f"--batch values must be >= 1, got {self.batches}")
-        if self.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if not self.threads or any(t < 1 for t in self.threads):
+            raise ValueError(f"--threads values must be >= 1, got {self.threads}")
         for method in self.methods:
             if method not in STEP_METHODS:
                 raise ValueError(f"unknown method {method!r}; choose from {', '.join(STEP_METHODS)}")
@@ -87,17 +87,30 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
     for method, why in skipped.items():
         log(f"bench-steps: skipping {method}: {why}")
     ngramrl_config = NgramRLConfig(engine=EngineConfig(adaptive_length=not config.draft_always))
-    runs = []
+    runs: list[dict] = []
+    result = {"ngramrl_bench_steps": BENCH_STEPS_VERSION, "runs": runs,
+              "profile": {"source": profile.source, "model": profile.model.get("name"),
+                          "device": profile.device.get("name"), "path": config.profile},
+              "k": config.k, "flush_mb": config.flush_mb, "draft_always": config.draft_always}
+
+    def write(partial: bool) -> None:
+        # after every run: a benchmark that is stopped leaves what it finished
+        if config.json_out:
+            with open(config.json_out, "w") as handle:
+                json.dump({**result, "partial": True} if partial else result, handle, indent=1)
+
     for trace in traces:
         last = max(r.epoch for r in trace.rollouts)
         if last < 1:
             raise ValueError(f"{trace.path}: one epoch only; bench-steps needs earlier epochs as history")
         for batch in config.batches:
             workload = prepare_workload(trace, last, copies_for(trace, last, 2 * batch))
-            for method in config.methods:
+            # SuffixDecoding's core is single-threaded: one run of it whatever the thread counts
+            for method, threads in [(m, t) for m in config.methods for t in
+                                    (config.threads if m.startswith("ngramrl") else config.threads[:1])]:
                 if method in skipped:
                     continue
-                engine = build_engine(method, workload, config.k, profile, config.threads,
+                engine = build_engine(method, workload, config.k, profile, threads,
                                       int(config.flush_mb * (1 << 20)), config=ngramrl_config)
                 try:
                     records = engine.run_phase(workload.phases[0], batch)
@@ -105,24 +118,21 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                     engine.close()
                 summary = summarize_steps(records, batch)
                 run = {"trace": trace.path, "method": method, "batch": batch,
-                       "threads": config.threads if method.startswith("ngramrl") else 1,
+                       "threads": threads if method.startswith("ngramrl") else 1,
                        **{key: round(value, 3) if isinstance(value, float) else value
                           for key, value in asdict(summary).items()},
                        "prefetch_coverage": prefetch_coverage(engine.proposer),
                        "resumed_misses": resumed_misses(engine.proposer)}
                 runs.append(run)
-                log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} steps {run['steps']:>5}  "
+                write(partial=True)
+                log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} T={run['threads']:<3} "
+                    f"steps {run['steps']:>5}  "
                     f"step {run['step_us_median']:>9.1f} / {run['step_us_mean']:>9.1f} / {run['step_us_p99']:>9.1f} us "
                     f"(median/mean/p99)  {run['request_us_mean']:>6.1f} us/request  offpath "
                     f"{run['offpath_us_mean']:>8.1f} us  tok/fwd {run['tokens_per_forward']:.3f}"
                     + ("" if run["prefetch_coverage"] is None else f"  prefetched {run['prefetch_coverage']:.3f}")
                     + ("" if run["resumed_misses"] is None else f"  misses resumed {run['resumed_misses']:.3f}"))
-    result = {"ngramrl_bench_steps": BENCH_STEPS_VERSION, "runs": runs,
-              "profile": {"source": profile.source, "model": profile.model.get("name"),
-                          "device": profile.device.get("name"), "path": config.profile},
-              "k": config.k, "flush_mb": config.flush_mb, "draft_always": config.draft_always}
+    write(partial=False)
     if config.json_out:
-        with open(config.json_out, "w") as handle:
-            json.dump(result, handle, indent=1)
         log(f"wrote {config.json_out}")
     return result

@@ -18,16 +18,18 @@ verified against the recorded rollouts. JSON: docs/bench-contract.md.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from ngramrl.bench.report import print_now
 from ngramrl.bench.steps import ENGINE_METHODS, build_engine, copies_for, method_available, prepare_workload
 from ngramrl.core.profile import HostOverhead, StepProfile, check_output, load_profile
-from ngramrl.core.trace import read_trace
+from ngramrl.core.trace import Trace, read_trace
 
 PROJECT_VERSION = 1
 BANNER = "PROJECTION, not a measurement"
@@ -46,6 +48,7 @@ class ProjectConfig:
     host: HostOverhead | None = None  # overrides the profile's host overhead
     flush_mb: float = 32.0
     cpu_scale: float = 1.0          # the proposers' CPU time counts this many times what it takes here
+    jobs: int = 1                   # (trace, batch) units projected at once, each in a process of its own
     json_out: str | None = None
 
     def __post_init__(self) -> None:
@@ -66,6 +69,8 @@ class ProjectConfig:
             raise ValueError(f"--copies must be >= 1, got {self.copies}")
         if self.flush_mb < 0:
             raise ValueError(f"--flush-mb must be >= 0, got {self.flush_mb}")
+        if self.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
 
 
 def profile_summary(profile: StepProfile, path: str, cpu_scale: float) -> dict:
@@ -106,41 +111,18 @@ def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -
             with open(config.json_out, "w") as handle:
                 json.dump(result, handle, indent=1)
 
-    for trace in traces:
-        for batch in config.batches:
-            copies = config.copies or copies_for(trace, 1, batch)
-            workload = prepare_workload(trace, 1, copies)
-            reference = None
-            for method in methods:
-                if method in skipped:
-                    continue
-                began = time.perf_counter()
-                engine = build_engine(method, workload, config.k, profile, config.threads,
-                                      int(config.flush_mb * (1 << 20)), cpu_scale=config.cpu_scale)
-                records = []
-                try:
-                    for phase in workload.phases:
-                        records.extend(engine.run_phase(phase, batch, config.waves))
-                finally:
-                    engine.close()
-                seconds = sum(r.seconds(engine.synchronous) for r in records)
-                fastest = min(fastest, min(r.forward_s for r in records if r.decode_rows) * 1000.0)
-                if method == "none":
-                    reference = seconds
-                run = {"trace": trace.path, "method": method, "engine_batch": batch,
-                       "rollout_seconds": round(seconds, 4),
-                       "speedup_vs_none": round(reference / seconds, 4) if reference else None,
-                       "tokens_per_forward": round(sum(r.committed for r in records)
-                                                   / max(1, sum(r.rows for r in records)), 4),
-                       "steps": len(records),
-                       "draft_ms_per_step": round(statistics.fmean(r.critical_ns for r in records) / 1e6, 4),
-                       "copies": copies, "requests": sum(len(p) for p in workload.phases)}
-                runs.append(run)
-                write(partial=True)
-                log(f"{os.path.basename(trace.path):<28} B={batch:<5} {method:<17} {run['rollout_seconds']:>9.3f} s  "
-                    f"{run['speedup_vs_none'] or 0:>6.3f}x none  tok/fwd {run['tokens_per_forward']:>6.3f}  "
-                    f"steps {run['steps']:>6}  drafting {run['draft_ms_per_step']:>7.3f} ms/step  "
-                    f"({time.perf_counter() - began:.0f} s here)")
+    units = [(trace, batch) for trace in traces for batch in config.batches]
+    done: dict[int, list[dict]] = {}
+    for index, (unit_runs, unit_fastest) in _project_units(units, methods, skipped, profile, config):
+        fastest = min(fastest, unit_fastest)
+        for run in unit_runs:
+            log(f"{os.path.basename(run['trace']):<28} B={run['engine_batch']:<5} {run['method']:<17} "
+                f"{run['rollout_seconds']:>9.3f} s  {run['speedup_vs_none'] or 0:>6.3f}x none  "
+                f"tok/fwd {run['tokens_per_forward']:>6.3f}  steps {run['steps']:>6}  "
+                f"drafting {run['draft_ms_per_step']:>7.3f} ms/step  ({run.pop('seconds_here'):.0f} s here)")
+        done[index] = unit_runs
+        runs[:] = [run for i in sorted(done) for run in done[i]]  # in the order asked, whatever finished first
+        write(partial=True)
     summary["fastest_step_ms"] = round(fastest, 4) if runs else None
     if profile.floor_ms is not None and runs and fastest < profile.floor_ms:
         log(f"project: WARNING: a step took {fastest:.3f} ms, less than reading the weights once at the device's "
@@ -149,3 +131,56 @@ def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -
     if config.json_out:
         log(f"wrote {config.json_out}")
     return {"ngramrl_project": PROJECT_VERSION, "note": BANNER, "profile": summary, "runs": runs}
+
+
+def _project_units(units: list, methods: list[str], skipped: dict, profile: StepProfile,
+                   config: ProjectConfig) -> Iterator[tuple[int, tuple[list[dict], float]]]:
+    """Each (trace, batch) unit's index and result as it finishes. With ``jobs`` > 1 the units run
+    in processes of their own (spawned: the parent's drafting threads are not forked), the longest
+    (the smallest batches) first, so each method's drafting time is measured on a core of its own
+    where the machine has one per job."""
+    if config.jobs == 1 or len(units) == 1:
+        for index, (trace, batch) in enumerate(units):
+            yield index, project_unit(trace, batch, methods, skipped, profile, config)
+        return
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(config.jobs, len(units)), mp_context=context) as pool:
+        order = sorted(range(len(units)), key=lambda i: units[i][1])
+        futures = {pool.submit(project_unit, *units[i], methods, skipped, profile, config): i for i in order}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+
+
+def project_unit(trace: Trace, batch: int, methods: list[str], skipped: dict, profile: StepProfile,
+                 config: ProjectConfig) -> tuple[list[dict], float]:
+    """One trace's rollout phases at engine batch ``batch``, every method, no speculation first:
+    the runs and the fastest decode step's milliseconds."""
+    copies = config.copies or copies_for(trace, 1, batch)
+    workload = prepare_workload(trace, 1, copies)
+    reference, fastest, runs = None, float("inf"), []
+    for method in methods:
+        if method in skipped:
+            continue
+        began = time.perf_counter()
+        engine = build_engine(method, workload, config.k, profile, config.threads,
+                              int(config.flush_mb * (1 << 20)), cpu_scale=config.cpu_scale)
+        records = []
+        try:
+            for phase in workload.phases:
+                records.extend(engine.run_phase(phase, batch, config.waves))
+        finally:
+            engine.close()
+        seconds = sum(r.seconds(engine.synchronous) for r in records)
+        fastest = min(fastest, min(r.forward_s for r in records if r.decode_rows) * 1000.0)
+        if method == "none":
+            reference = seconds
+        runs.append({"trace": trace.path, "method": method, "engine_batch": batch,
+                     "rollout_seconds": round(seconds, 4),
+                     "speedup_vs_none": round(reference / seconds, 4) if reference else None,
+                     "tokens_per_forward": round(sum(r.committed for r in records)
+                                                 / max(1, sum(r.rows for r in records)), 4),
+                     "steps": len(records),
+                     "draft_ms_per_step": round(statistics.fmean(r.critical_ns for r in records) / 1e6, 4),
+                     "copies": copies, "requests": sum(len(p) for p in workload.phases),
+                     "seconds_here": time.perf_counter() - began})
+    return runs, fastest
