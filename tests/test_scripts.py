@@ -51,7 +51,8 @@ def _gpu_check(tmp_path, **settings):
 
     trace = small_trace(tmp_path / "toy.jsonl.gz")
     env = {**os.environ, "PYTHON": sys.executable, "MODEL": "tiny", "DEVICE": "cpu", "QUICK": "1", "TRACES": trace,
-           "BATCHES": "1 2", "PROFILE_BUDGET_S": "60", "OMP_NUM_THREADS": "1", **settings}
+           "BATCHES": "1 2", "PROFILE_BUDGET_S": "60", "OMP_NUM_THREADS": "1", "STEP_TRACES": trace,
+           "STEP_BATCHES": "2", "STEP_THREADS": "1 2", "JOBS": "2", **settings}
     env.pop("PYTHONPATH", None)  # the script runs from the checkout, ngramrl need not be installed
     out = tmp_path / "check"
     result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), str(out)], capture_output=True,
@@ -62,9 +63,13 @@ def _gpu_check(tmp_path, **settings):
 def test_gpu_check_runs_end_to_end_on_a_tiny_shape_on_the_cpu(tmp_path):
     result, out = _gpu_check(tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert sorted(p.name for p in out.iterdir()) == ["env.txt", "profile.json", "profile.log", "progress.txt",
-                                                     "projection.json", "projection.txt", "roofline.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["bench_steps.json", "env.txt", "profile.json", "profile.log",
+                                                     "progress.txt", "projection.json", "projection.txt",
+                                                     "roofline.json"]
     assert "drafting core: " in (out / "env.txt").read_text()  # which one the projection's drafting times are
+    steps = json.loads((out / "bench_steps.json").read_text())
+    assert {(r["method"], r["threads"]) for r in steps["runs"] if r["method"].startswith("ngramrl")} == {
+        ("ngramrl", 1), ("ngramrl", 2), ("ngramrl-prefetch", 1), ("ngramrl-prefetch", 2)}
     profile = json.loads((out / "profile.json").read_text())
     assert profile["source"] == "measured" and profile["model"]["name"] == "tiny"
     projection = json.loads((out / "projection.json").read_text())
@@ -83,12 +88,14 @@ def test_gpu_check_says_how_far_it_got_when_a_stage_runs_out_of_time(tmp_path):
 def test_the_gpu_path_imports_only_pytorch_numpy_and_the_standard_library(tmp_path):
     # What a GPU machine with PyTorch alone has: ngramrl's measured profile and projection must
     # import nothing beyond it (SuffixDecoding's package is optional and skipped when missing).
+    # PyTorch's own attention biases load its compiler stack (sympy and the like): PyTorch's
+    # dependencies, there wherever it is.
     pytest.importorskip("torch")
     from tests.test_cli import small_trace
 
     trace = small_trace(tmp_path / "toy.jsonl.gz")
     listing = "import sys, json; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
-    baseline = subprocess.run([sys.executable, "-c", "import torch, numpy; " + listing], capture_output=True,
+    baseline = subprocess.run([sys.executable, "-c", "import torch, numpy, torch.nn.attention.bias; " + listing], capture_output=True,
                               text=True, check=True, cwd=ROOT)
     profile = tmp_path / "p.json"
     path = (f"from ngramrl.cli import main; "
