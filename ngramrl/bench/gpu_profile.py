@@ -5,9 +5,16 @@ laid out as engines run it (fused query/key/value and gate/up projections, a con
 per request, grouped-query attention with PyTorch's fused attention kernels, the output head over
 every verified position and a greedy pass over the logits standing for the sampler). One decode
 step of B requests with q tokens each (1, or 1 + draft tokens) at context c is timed after
-warm-up; on CUDA each shape is captured as a CUDA graph and replayed, as vLLM replays its
-decode steps, so the times carry no Python launch overhead. Elementwise operations are not
-fused, so large batches may come out somewhat slower than in an engine.
+warm-up; on CUDA each shape is captured as a CUDA graph and replayed, as vLLM replays its decode
+steps, so the times carry no Python launch overhead. Elementwise operations are not fused, so
+steps come out slower than in an engine (on an H200 a Qwen3-8B step of one request took 2.7x the
+time of reading the weights once; docs/gpu.md).
+
+A step of one token per request attends without a mask; a step of several needs the
+bottom-right causal pattern, which PyTorch serves either through a grouped-query kernel with a
+lower-right causal bias (FlashAttention where the build has it) or with the query heads folded
+into rows and an additive mask (memory-efficient attention). The measurement times both once and
+keeps the faster, as an engine keeps its fastest kernel.
 
 The grid adapts to the device: a (batch, context) whose KV cache does not fit in the memory left
 is skipped, and shapes not measured (memory, or the time budget spent) are extrapolated from
@@ -33,6 +40,8 @@ from ngramrl.core.profile import (
 )
 
 QUICK_BATCHES = (1, 8, 32, 128, 512)
+# how a step of several tokens per request attends (Decoder.attention)
+ATTENTION_KINDS = ("folded", "lower_right")
 
 
 def _out_of_memory() -> type[BaseException]:
@@ -82,7 +91,10 @@ class Decoder:
     projection (biases where the shape has them), per-head query/key RMSNorm (Qwen3), rotary
     embedding, attention over a KV cache, output projection, RMSNorm and a gated SiLU MLP with
     fused gate/up; then the final norm and the output head. It computes what the Hugging Face
-    model of that configuration computes (tests/bench/test_gpu_profile.py checks it)."""
+    model of that configuration computes, with either ``attention`` kind for steps of several
+    tokens per request (tests/bench/test_gpu_profile.py checks it)."""
+
+    attention = "folded"
 
     def __init__(self, shape: ModelShape, device: Any, dtype: Any, seed: int = 0) -> None:
         import torch
@@ -177,17 +189,27 @@ class Decoder:
         return x * cos + rotated * sin
 
     def attention_mask(self, start: int, tokens: int) -> Any:
-        """Which cached positions each query row may see, rows grouped as the attention lays them
-        out (token-major, then the query heads that share a key head); None when a single new
-        token sees everything."""
+        """What the attention of ``tokens`` new tokens after ``start`` cached ones needs: None
+        when a single new token sees everything; for ``lower_right`` PyTorch's bottom-right causal
+        bias; for ``folded`` an additive mask over the rows as that attention lays them out
+        (token-major, then the query heads sharing a key head), made once per shape and with its
+        rows 16-aligned in memory, so the kernel neither converts nor pads it at every layer."""
         import torch
 
         if tokens == 1:
             return None
+        length = start + tokens
+        if self.attention == "lower_right":
+            from torch.nn.attention.bias import causal_lower_right
+
+            return causal_lower_right(tokens, length)
         group = self.shape.heads // self.shape.kv_heads
-        visible = (torch.arange(start + tokens, device=self.device)[None, :]
-                   <= start + torch.arange(tokens, device=self.device)[:, None])
-        return visible.repeat_interleave(group, dim=0)
+        visible = (torch.arange(length, device=self.device)[None, :]
+                   <= start + torch.arange(tokens, device=self.device)[:, None]).repeat_interleave(group, dim=0)
+        padded = -(-length // 16) * 16
+        bias = torch.full((tokens * group, padded), float("-inf"), dtype=self.dtype, device=self.device)
+        bias[:, :length].masked_fill_(visible, 0.0)
+        return bias[:, :length]
 
     def forward(self, ids: Any, cache: Any, start: int, cos: Any, sin: Any, mask: Any) -> Any:
         """One step: ``ids`` [batch, tokens] at positions start.., the cache holding positions
@@ -214,12 +236,16 @@ class Decoder:
             k = self._rotate(k, cos[:, None, :], sin[:, None, :])
             cache[0, index, :, :, start:end] = k.transpose(1, 2)
             cache[1, index, :, :, start:end] = v.view(batch, tokens, s.kv_heads, s.head_dim).transpose(1, 2)
-            # grouped-query attention: the query heads sharing a key head attend as extra rows
-            rows = q.view(batch, tokens, s.kv_heads, group, s.head_dim).permute(0, 2, 1, 3, 4)
-            rows = rows.reshape(batch, s.kv_heads, tokens * group, s.head_dim)
-            out = F.scaled_dot_product_attention(rows, cache[0, index, :, :, :end], cache[1, index, :, :, :end],
-                                                 attn_mask=mask)
-            out = out.view(batch, s.kv_heads, tokens, group, s.head_dim).permute(0, 2, 1, 3, 4)
+            keys, values = cache[0, index, :, :, :end], cache[1, index, :, :, :end]
+            if mask is not None and self.attention == "lower_right":
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+                out = out.transpose(1, 2)
+            else:
+                # grouped-query attention: the query heads sharing a key head attend as extra rows
+                rows = q.view(batch, tokens, s.kv_heads, group, s.head_dim).permute(0, 2, 1, 3, 4)
+                rows = rows.reshape(batch, s.kv_heads, tokens * group, s.head_dim)
+                out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask)
+                out = out.view(batch, s.kv_heads, tokens, group, s.head_dim).permute(0, 2, 1, 3, 4)
             x = x + out.reshape(batch, tokens, s.heads * s.head_dim) @ layer["o"]
             h = self._norm(x, layer["norm2"])
             gate, up = (h @ layer["gate_up"]).chunk(2, dim=-1)
@@ -311,6 +337,47 @@ def _time_step(timer: _Timer, decoder: Decoder, cache: Any, batch: int, tokens: 
     return timer.time(lambda: decoder.step(ids, cache, start, cos, sin, mask), target_s)
 
 
+def choose_attention(decoder: Decoder, graphs: bool, tokens: int, context: int, batch: int = 8,
+                     target_s: float = 0.05) -> tuple[str, dict[str, float | str]]:
+    """The faster of the ``ATTENTION_KINDS`` for steps of ``tokens`` tokens per request, timed at
+    one shape; a kind that fails, cannot be captured as a CUDA graph where graphs are asked for, or
+    computes other logits than the first is left out. Returns the kind chosen (also set on the
+    decoder) and each kind's milliseconds or why it was left out."""
+    import torch
+
+    cache = decoder.new_cache(batch, context + tokens)
+    ids = torch.randint(0, decoder.shape.vocab, (batch, tokens), device=decoder.device)
+    cos, sin = decoder.rotary(context, tokens)
+    tried: dict[str, float | str] = {}
+    reference = None
+    for kind in ATTENTION_KINDS:
+        decoder.attention = kind
+        try:
+            mask = decoder.attention_mask(context, tokens)
+            logits = decoder.forward(ids, cache, context, cos, sin, mask).float()
+            if reference is None:
+                reference = logits
+            elif not torch.allclose(logits, reference, atol=0.05 * float(reference.abs().max()), rtol=0.0):
+                tried[kind] = "other logits than " + ATTENTION_KINDS[0]
+                continue
+            timer = _Timer(decoder.device, graphs)
+            seconds, _ = timer.time(lambda mask=mask: decoder.step(ids, cache, context, cos, sin, mask), target_s)
+            if timer.failures:
+                tried[kind] = f"not captured as a CUDA graph: {timer.failures[0]}"
+                continue
+        except RuntimeError as err:
+            if isinstance(err, OUT_OF_MEMORY):
+                raise
+            tried[kind] = f"failed: {str(err).splitlines()[0][:160]}"
+            continue
+        tried[kind] = round(seconds * 1000.0, 4)
+    timed = {kind: ms for kind, ms in tried.items() if isinstance(ms, float)}
+    if not timed:
+        raise RuntimeError(f"no attention kind runs here: {tried}")
+    decoder.attention = min(timed, key=timed.__getitem__)
+    return decoder.attention, tried
+
+
 def _free_memory(device: Any) -> int | None:
     import torch
 
@@ -335,10 +402,16 @@ def measure_profile(shape: ModelShape, config: MeasureConfig | None = None, host
     decoder = Decoder(shape, device, dtype, config.seed)
     built = time.perf_counter() - started
     timer = _Timer(device, config.graphs)
+    attention, attention_ms = None, {}
     table: list[list[list[float | None]]] = [[[None] * len(contexts) for _ in tokens] for _ in batches]
     skipped_memory = 0
     stopped = False
     with torch.inference_mode():
+        if max(tokens) > 1:
+            attention, attention_ms = choose_attention(decoder, timer.graphs, max(tokens),
+                                                       contexts[len(contexts) // 2])
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         free = _free_memory(device)
         for b, batch in enumerate(batches):
             for c, context in enumerate(contexts):
@@ -388,12 +461,17 @@ def measure_profile(shape: ModelShape, config: MeasureConfig | None = None, host
         notes.append(f"{skipped_memory} shapes did not fit in the device's memory and are extrapolated")
     if stopped:
         notes.append(f"the time budget ({config.time_budget_s:g} s) ran out; shapes not measured are extrapolated")
+    if attention is not None:
+        notes.append(f"steps of several tokens per request attend as {attention!r}, the faster at batch 8, "
+                     f"{max(tokens)} tokens, context {contexts[len(contexts) // 2]}: "
+                     + ", ".join(f"{kind} {ms} ms" if isinstance(ms, float) else f"{kind} {ms}"
+                                 for kind, ms in attention_ms.items()))
     if timer.failures:
         notes.append(f"CUDA graph capture failed, timed eagerly after: {timer.failures[0]}")
     return StepProfile(
         source="measured", model={"name": shape.name, **asdict(shape), "params": shape.params},
         device={"name": gpu or name, "device_name": name, "torch": torch.__version__, "dtype": config.dtype,
-                "graphs": timer.graphs},
+                "graphs": timer.graphs, "attention": attention},
         k=config.k, batches=list(batches), tokens=list(tokens), contexts=list(contexts), step_ms=filled,
         measured=measured, prefill_ms_per_token=prefill_s * 1000.0 / prefill_tokens, host=host or HostOverhead(),
         floor_ms=weight_read_seconds(shape, GPU_SPECS[gpu]) * 1000.0 if gpu else None, notes=notes)

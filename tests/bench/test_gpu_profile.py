@@ -3,7 +3,14 @@ a CPU measurement of a tiny shape gives a complete, valid profile."""
 
 import pytest
 
-from ngramrl.bench.gpu_profile import Decoder, MeasureConfig, fill_missing, measure_profile
+from ngramrl.bench.gpu_profile import (
+    ATTENTION_KINDS,
+    Decoder,
+    MeasureConfig,
+    choose_attention,
+    fill_missing,
+    measure_profile,
+)
 from ngramrl.core.profile import MODEL_SHAPES, ModelShape, StepProfile
 
 torch = pytest.importorskip("torch")
@@ -23,8 +30,9 @@ def hf_model(kind):
     return transformers.LlamaForCausalLM(config)
 
 
+@pytest.mark.parametrize("attention", ATTENTION_KINDS)
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
-def test_decoder_steps_give_the_hf_models_logits(kind):
+def test_decoder_steps_give_the_hf_models_logits(kind, attention):
     torch.manual_seed(0)
     model = hf_model(kind).eval()
     for parameter in model.parameters():  # norms and biases away from their defaults, so they matter
@@ -32,6 +40,7 @@ def test_decoder_steps_give_the_hf_models_logits(kind):
     shape = ModelShape.from_hf_config(model.config.to_dict(), kind)
     assert shape.qk_norm == (kind == "qwen3") and shape.qkv_bias == (kind == "qwen2")
     decoder = Decoder.from_hf_state(shape, model.state_dict(), torch.device("cpu"), torch.float32)
+    decoder.attention = attention
     ids = torch.randint(0, 97, (2, 9))
     cache = decoder.new_cache(2, 9)
     context = 6
@@ -43,6 +52,14 @@ def test_decoder_steps_give_the_hf_models_logits(kind):
     assert torch.allclose(logits, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_the_faster_attention_that_computes_the_same_logits_is_chosen_and_both_are_reported():
+    decoder = Decoder(MODEL_SHAPES["tiny"], torch.device("cpu"), torch.float32)
+    chosen, tried = choose_attention(decoder, graphs=False, tokens=4, context=32, batch=2, target_s=0.0)
+    assert decoder.attention == chosen and set(tried) == set(ATTENTION_KINDS)
+    assert all(isinstance(ms, float) and ms > 0 for ms in tried.values())
+    assert tried[chosen] == min(tried.values())
+
+
 def test_a_tiny_shape_measured_on_the_cpu_is_a_complete_profile():
     config = MeasureConfig(device="cpu", k=3, batches=(1, 4), tokens=(1, 2, 4), contexts=(16, 64), target_s=0.0)
     profile = measure_profile(MODEL_SHAPES["tiny"], config)
@@ -50,6 +67,7 @@ def test_a_tiny_shape_measured_on_the_cpu_is_a_complete_profile():
     assert all(v for row in profile.measured for cell in row for v in cell)
     assert all(v > 0 for row in profile.step_ms for cell in row for v in cell)
     assert profile.prefill_ms_per_token > 0
+    assert profile.device["attention"] in ATTENTION_KINDS
     again = StepProfile.from_json(profile.to_json())
     flat = [v for row in profile.step_ms for cell in row for v in cell]
     assert [v for row in again.step_ms for cell in row for v in cell] == pytest.approx(flat, rel=1e-4)
