@@ -194,6 +194,27 @@ def test_project_writes_its_contract_json_and_says_it_is_a_projection(tmp_path, 
     assert runs[("ngramrl", 1)]["tokens_per_forward"] > 1.2 and runs[("ngramrl", 1)]["speedup_vs_none"] > 1.0
 
 
+def test_project_in_several_processes_gives_the_runs_of_one_in_the_order_asked(tmp_path):
+    # --cpu-scale 0: the drafting decisions do not depend on the CPU time, so the runs are the same
+    trace, other = small_trace(tmp_path / "a.jsonl.gz"), small_trace(tmp_path / "b.jsonl.gz")
+    profile = tmp_path / "h100.json"
+    assert main(["profile-gpu", "--roofline", "h100", "--model", "qwen3-8b", "--out", str(profile)]) == 0
+    results = []
+    for jobs in ("1", "3"):
+        out = tmp_path / f"projection-{jobs}.json"
+        assert main(["project", trace, other, "--profile", str(profile), "--engine-batch", "4", "1",
+                     "--method", "ngramrl", "pld", "--flush-mb", "0", "--cpu-scale", "0", "--jobs", jobs,
+                     "--json", str(out)]) == 0
+        results.append(json.loads(out.read_text())["runs"])
+    assert results[0] == results[1]
+    assert [(r["trace"], r["engine_batch"], r["method"]) for r in results[1]] == [
+        (t, b, m) for t in (trace, other) for b in (4, 1) for m in ("none", "ngramrl", "pld")]
+    from ngramrl.bench.project import ProjectConfig
+
+    with pytest.raises(ValueError, match="--jobs"):
+        ProjectConfig(traces=[trace], profile=str(profile), batches=[1], jobs=0)
+
+
 def test_project_skips_a_method_whose_package_is_missing_and_says_so(tmp_path, capsys, monkeypatch):
     import ngramrl.bench.project as project
 
