@@ -19,12 +19,18 @@ finished request's slot goes to the next one (continuous batching). Each step:
    ``StandInRunner``); its time is measured (real CPU time, on the critical path of a
    synchronous engine) and its drafts go to the next forward.
 
+A phase runs with the objects that exist when it starts frozen out of the cycle collector's
+reach, as vLLM's workers freeze their heap once warm (``vllm.utils.gc_utils.freeze_gc_heap``):
+the collections the proposer's own allocations trigger then scan what an engine's would, not the
+replay's traces.
+
 Both ``ngramrl bench-steps`` (the proposer's time per step) and ``ngramrl project`` (the
 rollout phase's simulated time) run on this.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -40,6 +46,18 @@ from ngramrl.bench.replay import accepted_prefix
 from ngramrl.core.profile import HostOverhead
 from ngramrl.core.trace import Rollout, Trace
 from ngramrl.engine.standin import StandInRunner
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """The objects alive now collected once and frozen (what vLLM's workers do once warm), for
+    as long as the block runs."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class VirtualClock:
@@ -202,6 +220,10 @@ class SimulatedEngine:
         instead of continuous batching."""
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
+        with frozen_heap():
+            return self._run(requests, batch, waves)
+
+    def _run(self, requests: list[PhaseRequest], batch: int, waves: bool) -> list[StepRecord]:
         runner = self.runner
         queue = deque(requests)
         live: dict[str, _Live] = {}

@@ -64,6 +64,23 @@ def test_without_drafts_each_step_commits_one_token_per_request_and_slots_are_re
     assert records[0].decode_rows == 0 and records[3].decode_rows == 1  # prefills: r0 and r1, then r2
 
 
+def test_a_phase_runs_with_the_heap_that_existed_before_it_frozen_as_in_a_warm_vllm_worker():
+    import gc
+
+    class Watcher(Oracle):
+        def propose(self, sampled, lengths, token_ids_cpu):
+            self.frozen.append(gc.get_freeze_count())
+            return super().propose(sampled, lengths, token_ids_cpu)
+
+    reqs = requests([4, 2])
+    watcher = Watcher({r.req_id: r.output for r in reqs}, k=2)
+    watcher.frozen = []
+    before = gc.get_freeze_count()
+    SimulatedEngine(watcher, VirtualClock(), LinearTimes(), synchronous=True, flush_bytes=0).run_phase(reqs, batch=2)
+    assert watcher.frozen and min(watcher.frozen) > before
+    assert gc.get_freeze_count() == before
+
+
 def test_waves_drain_before_the_next_starts():
     engine = SimulatedEngine(None, VirtualClock(), LinearTimes(), synchronous=False, flush_bytes=0)
     records = engine.run_phase(requests([5, 3, 4]), batch=2, waves=True)
@@ -147,7 +164,7 @@ def test_the_proposers_cost_model_learns_the_simulated_step_times():
 
 
 def test_a_prefetching_native_core_works_during_the_forward_and_the_drafts_stay_the_same():
-    from ngramrl.core.batch import native_module
+    from ngramrl.core.extension import native_module
 
     if native_module() is None:
         pytest.skip("the native core is not built: the reference core has no background work")
