@@ -35,7 +35,7 @@ EXT_MODULES = [] if Pybind11Extension is None or os.environ.get("NGRAMRL_NO_NATI
         "ngramrl._native",
         [os.path.join(NATIVE_DIR, "core.cpp")],
         depends=[os.path.join(NATIVE_DIR, name)
-                 for name in ("automaton.hpp", "estimate.hpp", "history.hpp", "rows.hpp")],
+                 for name in ("automaton.hpp", "cost.hpp", "estimate.hpp", "history.hpp", "rows.hpp")],
         cxx_std=17,
         extra_compile_args=["-O3"] + os.environ.get("NGRAMRL_NATIVE_FLAGS", "").split(),
     )

@@ -95,8 +95,8 @@ def test_the_gpu_path_imports_only_pytorch_numpy_and_the_standard_library(tmp_pa
 
     trace = small_trace(tmp_path / "toy.jsonl.gz")
     listing = "import sys, json; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
-    baseline = subprocess.run([sys.executable, "-c", "import torch, numpy, torch.nn.attention.bias; " + listing], capture_output=True,
-                              text=True, check=True, cwd=ROOT)
+    baseline = subprocess.run([sys.executable, "-c", "import torch, numpy, torch.nn.attention.bias; " + listing],
+                              capture_output=True, text=True, check=True, cwd=ROOT)
     profile = tmp_path / "p.json"
     path = (f"from ngramrl.cli import main; "
             f"assert main(['profile-gpu', '--model', 'tiny', '--device', 'cpu', '--quick', '--out', {str(profile)!r}]) "

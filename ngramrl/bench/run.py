@@ -151,7 +151,8 @@ def measure_native_memory(trace: Trace, config: HistoryConfig) -> dict | None:
     """The same history in the native core (tracemalloc cannot see C++ memory): the bytes its
     structures hold by their own count, and what malloc handed out meanwhile, per stored token.
     None when the extension is not built."""
-    from ngramrl.core.batch import make_core, native_module
+    from ngramrl.core.batch import make_core
+    from ngramrl.core.extension import native_module
 
     if native_module() is None:
         return None

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -52,10 +50,9 @@ from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.cost import FixedStepCost, choose_draft_lengths, probe_lengths
 from ngramrl.core.drafter import EMPTY, Draft, NgramDrafter, RequestState
 from ngramrl.core.estimate import MatchState, advance
+from ngramrl.core.extension import native_module
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival, allocate, predict_for
-
-logger = logging.getLogger(__name__)
 
 SOURCES = ("none", "prompt", "global")  # DraftBatch.source codes
 
@@ -567,8 +564,6 @@ def _ints(values: Any) -> list[int]:
     return np.asarray(values, dtype=np.int64).reshape(-1).tolist() if not isinstance(values, list) else list(values)
 
 
-_native_warned = False
-
 
 @dataclass
 class CommittedRows:
@@ -635,25 +630,6 @@ def committed_rows(sampled: list[list[int]], arrival: np.ndarray, num_tokens: An
     whole = len(index) == n and bool(np.all(index == np.arange(n)))
     return CommittedRows(index, ranks, tokens.astype(np.int32), offsets, ks, accepted, int(np.count_nonzero(ks > 0)),
                          whole)
-
-
-def native_module() -> Any | None:
-    """The compiled core, or None (one logged line the first time) when it is not built."""
-    global _native_warned
-    try:
-        if os.environ.get("NGRAMRL_NATIVE") == "0":
-            raise ImportError("NGRAMRL_NATIVE=0")
-        from ngramrl import _native
-
-        if not hasattr(_native, "committed_rows"):  # the newest function: an extension built from older sources
-            raise ImportError("ngramrl._native was built from older sources than ngramrl's; rebuild it "
-                              "(pip install -e . or python setup.py build_ext --inplace)")
-    except ImportError as err:
-        if not _native_warned:
-            logger.warning("ngramrl: the native drafting core is not available (%s); using the Python reference", err)
-            _native_warned = True
-        return None
-    return _native
 
 
 def make_core(history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,

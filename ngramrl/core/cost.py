@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from ngramrl.core.extension import native_module
+
 FEATURES = 4  # 1, requests, draft tokens past the plateau, any draft token
 # Knees (tokens a step holds before it gets dearer) the fit chooses among: 0 (no plateau), then
 # 4 to 8192 in steps of 2^(1/4) (about 19%).
@@ -81,11 +83,16 @@ class StepCostModel:
             self._solved = None
 
     def _fold(self) -> None:
-        """Add the observations not yet in the sums, each weighted by the decay since it was made."""
+        """Add the observations not yet in the sums, each weighted by the decay since it was made
+        (in C++ where the extension is built: ``ngramrl/native/cost.hpp``, the same sums)."""
         if not self._unfolded:
             return
-        observed = np.array(self._unfolded)
+        observed = np.array(self._unfolded, dtype=float)
         self._unfolded.clear()
+        native = native_module()
+        if native is not None:
+            self._yty = native.step_cost_fold(self._xtx, self._xty, self._yty, observed, self._knees, self.decay)
+            return
         requests, drafts, seconds = observed[:, 0:1], observed[:, 1:2], observed[:, 2]
         x = np.empty((len(observed), len(KNEES), FEATURES))
         x[:, :, 0] = 1.0
@@ -103,11 +110,7 @@ class StepCostModel:
         no plateau (``PLATEAU_GAIN``), else none."""
         if self._solved is None:
             self._fold()
-            scale = np.maximum(1.0, np.trace(self._xtx, axis1=1, axis2=2))[:, None, None]
-            regularized = self._xtx + self.ridge * scale * np.eye(FEATURES)
-            solution = np.linalg.solve(regularized, self._xty[:, :, None])[:, :, 0]
-            errors = (self._yty - 2.0 * np.einsum("kf,kf->k", solution, self._xty)
-                      + np.einsum("kf,kfg,kg->k", solution, self._xtx, solution))
+            solution, errors = solve_knees(self._xtx, self._xty, self._yty, self.ridge)
             best = int(np.argmin(errors))
             if best and errors[best] > (1.0 - PLATEAU_GAIN) * errors[0]:
                 best = 0
@@ -164,6 +167,19 @@ class StepCostModel:
         if per_token <= 0.0 or requests < self.knee:
             return True
         return (1.0 + min_gain) * per_token * requests < base + per_request * requests
+
+
+def solve_knees(xtx: np.ndarray, xty: np.ndarray, yty: float, ridge: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each knee's least-squares coefficients (knees, FEATURES) and squared error (knees,) from its
+    normal equations, regularized by ``ridge`` times the system's trace (at least 1); in C++ where
+    the extension is built."""
+    native = native_module()
+    if native is not None:
+        return native.step_cost_solve(xtx, xty, yty, ridge)
+    scale = np.maximum(1.0, np.trace(xtx, axis1=1, axis2=2))[:, None, None]
+    solution = np.linalg.solve(xtx + ridge * scale * np.eye(FEATURES), xty[:, :, None])[:, :, 0]
+    errors = yty - 2.0 * np.einsum("kf,kf->k", solution, xty) + np.einsum("kf,kfg,kg->k", solution, xtx, solution)
+    return solution, errors
 
 
 class FixedStepCost(StepCostModel):

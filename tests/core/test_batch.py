@@ -28,9 +28,9 @@ from ngramrl.core.batch import (
     as_rows,
     committed_rows,
     make_core,
-    native_module,
 )
 from ngramrl.core.drafter import Draft
+from ngramrl.core.extension import native_module
 from ngramrl.core.trace import read_trace
 
 native = pytest.importorskip("ngramrl._native", reason="the native core is not built (pip install . builds it)")
@@ -416,9 +416,9 @@ def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
     from types import SimpleNamespace
 
     import ngramrl
-    from ngramrl.core.batch import make_core, native_module
+    from ngramrl.core.batch import make_core
 
-    stale = SimpleNamespace(Core=type("Core", (), {}))  # no committed_rows: built before it existed
+    stale = SimpleNamespace(Core=type("Core", (), {}))  # no step_cost_solve: built before it existed
     monkeypatch.setitem(sys.modules, "ngramrl._native", stale)
     monkeypatch.setattr(ngramrl, "_native", stale, raising=False)
     assert native_module() is None

@@ -208,3 +208,58 @@ def test_a_fit_solved_every_few_steps_folds_every_step_in_with_its_decay():
     assert np.allclose(sparse.state()["xtx"], every.state()["xtx"], rtol=1e-12, atol=0)
     with pytest.raises(ValueError, match="refit_every"):
         StepCostModel(refit_every=0)
+
+
+def _observed_stream(model, seed, steps=300):
+    """Steps of a GPU-like engine (a plateau of 256 tokens) at changing batch sizes, the fit read
+    now and then, as the proposer reads it."""
+    rng = np.random.default_rng(seed)
+    fits = []
+    for i in range(steps):
+        requests = int(rng.integers(1, 300))
+        drafts = int(rng.integers(0, 9 * requests)) if rng.random() < 0.8 else 0
+        seconds = (0.004 + 2e-5 * requests + 3e-6 * max(0, requests + drafts - 256) + (2e-4 if drafts else 0)
+                   + rng.normal(0, 2e-5))
+        model.observe(requests, drafts, seconds)
+        if i % 7 == 0:
+            fits.append(model.fit)
+    return fits
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_native_fit_gives_the_numpy_fit(seed, monkeypatch):
+    from ngramrl.core.extension import native_module
+
+    if native_module() is None:
+        pytest.skip("the native core is not built (pip install . builds it)")
+    native = StepCostModel(decay=0.98, refit_every=4)
+    native_fits = _observed_stream(native, seed)
+    monkeypatch.setenv("NGRAMRL_NATIVE", "0")
+    reference = StepCostModel(decay=0.98, refit_every=4)
+    reference_fits = _observed_stream(reference, seed)
+    assert [fit[-1] for fit in native_fits] == [fit[-1] for fit in reference_fits]  # the same knees
+    assert native_fits[-1][-1] == 256
+    for ours, theirs in zip(native_fits, reference_fits, strict=True):
+        assert ours[:-1] == pytest.approx(theirs[:-1], rel=1e-9, abs=1e-15)
+    assert np.allclose(native.state()["xtx"], reference.state()["xtx"], rtol=1e-12, atol=0)
+    # carried to a new model, the native one goes on from the reference's sums
+    monkeypatch.delenv("NGRAMRL_NATIVE")
+    carried = StepCostModel(decay=0.98, refit_every=4)
+    carried.load_state(reference.state())
+    carried.observe(40, 100, 0.0049)
+    reference.observe(40, 100, 0.0049)
+    monkeypatch.setenv("NGRAMRL_NATIVE", "0")
+    assert carried.fit == pytest.approx(reference.fit, rel=1e-9, abs=1e-15)
+
+
+def test_the_native_fold_refuses_sums_it_would_have_to_copy():
+    from ngramrl.core.extension import native_module
+
+    native = native_module()
+    if native is None:
+        pytest.skip("the native core is not built (pip install . builds it)")
+    xtx, xty = np.zeros((3, 4, 4), dtype=np.float32), np.zeros((3, 4))
+    with pytest.raises(TypeError):  # a float32 copy would take the update, not the model's sums
+        native.step_cost_fold(xtx, xty, 0.0, np.zeros((1, 3)), np.zeros(3), 0.9)
+    with pytest.raises(ValueError, match="one knee per row"):
+        native.step_cost_fold(np.zeros((3, 4, 4)), xty, 0.0, np.zeros((1, 3)), np.zeros(2), 0.9)
