@@ -393,7 +393,9 @@ def build_engine(method: str, workload: Workload, k: int, times: StepTimes, thre
         proposer = SuffixProposer(k)
     elif method.startswith("ngramrl"):
         base = config or NgramRLConfig()
-        engine = replace(base.engine, prefetch="on" if method == "ngramrl-prefetch" else "off", draft_threads=threads)
+        # ngramrl-prefetch: as a GPU engine runs it by default ("auto": the step's work goes to the
+        # background where that is faster); ngramrl: all of it in the call
+        engine = replace(base.engine, prefetch="auto" if method == "ngramrl-prefetch" else "off", draft_threads=threads)
         proposer = NgramRLProposer(standin_vllm_config(k, workload.eos_token_ids, device_type="cuda"),
                                    config=replace(base, engine=engine), clock=clock)
         seed = _seed_ngramrl

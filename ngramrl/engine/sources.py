@@ -46,6 +46,7 @@ class DraftSource(Protocol):
     """What the proposer asks of where its drafts come from."""
 
     core: Any  # the drafting core in this process, or None
+    offloads: bool  # whether end_step can run its work in the background or in the call (``offload``)
 
     def start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> Any:
         """A request with a prompt id starts (``before``: its tokens so far); returns its state."""
@@ -59,8 +60,11 @@ class DraftSource(Protocol):
     def draft(self, rows: StepRows) -> DraftBatch:
         """Commit each row's tokens and draft up to ``rows.ks[i]`` tokens (0: commit only)."""
 
-    def end_step(self, rows: StepRows, sent: DraftBatch, looked_up: bool, prefetch_next: bool) -> None:
-        """``sent``: the drafts going to verification. ``prefetch_next``: the next step will look up."""
+    def end_step(self, rows: StepRows, sent: DraftBatch, looked_up: bool, prefetch_next: bool,
+                 offload: bool = True) -> None:
+        """``sent``: the drafts going to verification. ``prefetch_next``: the next step will look up.
+        ``offload``: the step's work may run in the background during the forward (where the
+        source ``offloads``), else in this call."""
 
     def lengths(self, drafts: DraftBatch, scale: float, fit: tuple[float, ...], min_gain: float, adaptive: bool,
                 probe_tokens: int) -> tuple[Any, float, bool, bool]:
@@ -98,6 +102,7 @@ class CoreSource:
                               follow=True)
         self.k = k
         self.background = background
+        self.offloads = background
 
     def start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> int:
         return self.core.start(prompt_id, prompt, before, register=True)
@@ -117,14 +122,16 @@ class CoreSource:
         flight this took a quarter off the proposer's mean time per step; docs/vllm.md)."""
         return self.core.step(rows.requests, rows.tokens, rows.offsets, rows.ks)
 
-    def end_step(self, rows: StepRows, sent: DraftBatch, looked_up: bool, prefetch_next: bool) -> None:
+    def end_step(self, rows: StepRows, sent: DraftBatch, looked_up: bool, prefetch_next: bool,
+                 offload: bool = True) -> None:
         """After a step with lookups its committed tokens enter the index: in the background during
         the forward, with the next drafts of the likeliest outcomes prefetched after them, where
-        the forward leaves a core idle; otherwise at once (a background thread on the forward's
-        cores would slow it). A step without lookups leaves them for the next one that looks up (a
+        the forward leaves a core idle and the proposer ``offload``s; otherwise at once (a
+        background thread on the forward's cores would slow it, and waking one costs more than a
+        few rows' work). A step without lookups leaves them for the next one that looks up (a
         worker woken for the inserts alone measured 1.3% slower than synchronous drafting at 32
         requests in flight; docs/vllm.md)."""
-        if not self.background:
+        if not (self.background and offload):
             self.core.stop()  # the finished requests' work, now: not on the forward's cores
             if len(rows) and looked_up:
                 self.core.absorb(rows.requests, now=True)

@@ -14,6 +14,7 @@ reaches the engine process; ``RolloutEngine`` sets it.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -70,6 +71,8 @@ class ProposerStats:
     lookup_rows: int = 0         # rows that looked up a draft (room for one, in a step that drafts)
     prefetch_hits: int = 0       # of them, rows whose draft was ready from the prefetch
     finished_rollouts: int = 0
+    offloaded_steps: int = 0     # steps whose inserts and prefetch ran in the background (OffloadChoice)
+    inline_steps: int = 0        # steps whose inserts ran in the call, a background being there
     row_steps: int = 0           # (request, step) pairs: target forwards spent on requests with a prompt id
     committed_tokens: int = 0    # tokens those forwards committed
     accepted_tokens: int = 0     # verified draft tokens the target accepted
@@ -77,6 +80,70 @@ class ProposerStats:
     #                                 cost model scales chances by accepted / expected: the winner's curse)
     draft_ns_total: int = 0      # the proposer's time on the critical path, all steps
     recent_draft_ns: deque[int] = field(default_factory=lambda: deque(maxlen=4096))  # bounded: runs are long
+
+
+class OffloadChoice:
+    """Whether a step's inserts and its prefetch go to the drafting core's background thread, to
+    run during the forward, or run in the proposer's call. Handing work over costs a wake-up of
+    that thread (tens of microseconds on some hosts), which the few rows of a small batch do not
+    repay and hundreds do. The choice is made per batch size (its power of two) from the
+    proposer's own time measured after each way (the hand-over, and in the next call the wait
+    for the background and the core's step, which finds the prefetched drafts or looks them up):
+    handing over unless the median of its last ``window`` such times exceeds the other way's by
+    ``margin`` (handing over also keeps the tail of the call short), each way chosen ``first``
+    times to begin with (handing over first, and by default until both have times) and the other
+    way again after ``retry_every`` choices, an interval that doubles (up to ``retry_max``) each
+    time the retry leaves the choice as it was. The work handed over grows with the rows and the
+    hand-over's cost does not, so a size class above one that hands over hands over too, and one
+    below a class that keeps the work in the call keeps it, without trying. The drafts are the
+    same either way: only where the work runs changes."""
+
+    def __init__(self, first: int = 2, retry_every: int = 32, retry_max: int = 1024, window: int = 9,
+                 margin: float = 0.15) -> None:
+        self.first = first
+        self.margin = margin
+        self.retry_every = retry_every
+        self.retry_max = retry_max
+        self._interval: dict[int, int] = {}  # size class -> choices between two retries
+        self._next_retry: dict[int, int] = {}
+        self._retried: dict[int, bool] = {}  # size class -> the faster way when its last retry was made
+        self._recent: dict[tuple[int, bool], deque[float]] = collections.defaultdict(lambda: deque(maxlen=window))
+        self._seconds: dict[tuple[int, bool], float] = {}  # (size class, offloaded) -> the median of _recent
+        self._tried: collections.Counter[tuple[int, bool]] = collections.Counter()
+        self._settled: dict[int, bool] = {}  # size class -> whether it hands over, both ways timed
+        self._choices: collections.Counter[int] = collections.Counter()
+
+    def choose(self, rows: int) -> bool:
+        size = rows.bit_length()
+        for other, offloads in self._settled.items():
+            if (other < size and offloads) or (other > size and not offloads):
+                return offloads
+        for way in (True, False):
+            if self._tried[size, way] < self.first:
+                self._tried[size, way] += 1
+                return way
+        if (size, True) not in self._seconds or (size, False) not in self._seconds:
+            return True
+        faster = self._seconds[size, True] <= (1.0 + self.margin) * self._seconds[size, False]
+        self._settled[size] = faster
+        if size in self._retried:  # the last retry's time is in: did it change which way is faster?
+            kept = self._retried.pop(size) == faster
+            interval = self._interval.get(size, self.retry_every)
+            self._interval[size] = min(self.retry_max, 2 * interval) if kept else self.retry_every
+            self._next_retry[size] = self._choices[size] + self._interval[size]
+        self._choices[size] += 1
+        if self._choices[size] >= self._next_retry.setdefault(size, self.retry_every):
+            self._retried[size] = faster
+            self._next_retry[size] = self._choices[size] + self.retry_max  # until the retry's time is in
+            return not faster
+        return faster
+
+    def record(self, rows: int, offloaded: bool, seconds: float) -> None:
+        """What choosing ``offloaded`` for a step of ``rows`` rows cost the proposer."""
+        key = (rows.bit_length(), offloaded)
+        recent = self._recent[key]
+        recent.append(seconds)
+        self._seconds[key] = statistics.median(recent)
 
 
 def prefetch_plan(mode: str, device_type: str, machine_cores: frozenset[int],
@@ -203,6 +270,10 @@ class NgramRLProposer:
                                                              *_forward_resources(vllm_config))
         self.source: DraftSource = self._make_source()
         self.core: Any = self.source.core  # the drafting core, where drafts are made in this process
+        # "auto": the step's work goes to the background where that is faster (``OffloadChoice``);
+        # "on": always. The last step's choice waits for the next call, which shows what it cost.
+        self.offload = OffloadChoice() if self.source.offloads and self.config.engine.prefetch == "auto" else None
+        self._offloaded: tuple[int, bool, int] | None = None  # (rows, offloaded, the hand-over's ns)
 
     def _make_source(self) -> DraftSource:
         """Where the drafts come from: the drafting core in this process."""
@@ -259,6 +330,7 @@ class NgramRLProposer:
             self.cost.observe(len(batch), self._verified_tokens, begin / 1e9 - self._step_started)
         self._last_batch = batch
         self.source.begin_step()
+        touched_ns = self.clock() - begin  # the parts of the call where the last step's choice shows
         rows, ranks, accepted, with_room = self._rows(batch, sampled_token_ids, num_tokens_no_spec)
         self.stats.row_steps += len(rows)
         self.stats.committed_tokens += int(rows.offsets[-1])
@@ -277,7 +349,9 @@ class NgramRLProposer:
         lookup_rows = with_room if looked else 0
         self.stats.lookup_rows += lookup_rows
         looked_up = lookup_rows > 0
+        drafting = self.clock()
         made = self.source.draft(rows) if len(rows) else DraftBatch.from_drafts([])
+        touched_ns += self.clock() - drafting
         self.stats.prefetch_hits += int(made.prefetched.sum())
         lengths, expected, paid = self._lengths(made, exploring)
         if looked and self.config.engine.adaptive_length:
@@ -302,9 +376,13 @@ class NgramRLProposer:
         # during the forward, and before the prefetch, whose drafts stay valid only while the
         # indexes they read do not change.
         self._retire(runner.requests)
-        self.source.end_step(rows, sent, looked_up, self._prefetches_next(len(rows)))
+        handing = self.clock()
+        offload = self._choose_offload(len(rows), looked_up, touched_ns)
+        self.source.end_step(rows, sent, looked_up, offload and self._prefetches_next(len(rows)), offload)
         self.stats.steps += 1
         end = self.clock()
+        if self._offloaded is not None:
+            self._offloaded = (*self._offloaded[:2], end - handing)
         if len(rows):
             previous = self._own_per_row[int(looked)]
             per_row = (end - begin) / 1e9 / len(rows)
@@ -314,6 +392,27 @@ class NgramRLProposer:
         self.stats.recent_draft_ns.append(end - begin)
         self._step_started = end / 1e9
         return drafts
+
+    def _choose_offload(self, rows: int, looked_up: bool, touched_ns: int) -> bool:
+        """Whether this step's work goes to the background (``OffloadChoice``). ``touched_ns``: this
+        call's time in the parts the last step's choice changes (waiting for the background, and
+        the core's step, which finds prefetched drafts or looks them up): with the last hand-over,
+        what that choice cost, counted where this step's rows are of the last one's size class."""
+        if self.offload is None:
+            return True
+        if self._offloaded is not None and self._offloaded[0].bit_length() == rows.bit_length():
+            last_rows, last_way, handed_ns = self._offloaded
+            self.offload.record(last_rows, last_way, (handed_ns + touched_ns) / 1e9)
+        self._offloaded = None
+        if not (rows and looked_up):  # nothing to hand over either way
+            return True
+        way = self.offload.choose(rows)
+        self._offloaded = (rows, way, 0)
+        if way:
+            self.stats.offloaded_steps += 1
+        else:
+            self.stats.inline_steps += 1
+        return way
 
     def _rows(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]],
               num_tokens_no_spec: Any) -> tuple[StepRows, np.ndarray, int, int]:
@@ -479,6 +578,7 @@ class NgramRLProposer:
                 "lookup_rows": stats.lookup_rows, "prefetch_hits": stats.prefetch_hits, "cut_tokens": stats.cut_tokens,
                 "invalid_tokens": stats.invalid_tokens,
                 "finished_rollouts": stats.finished_rollouts, "row_steps": stats.row_steps,
+                "offloaded_steps": stats.offloaded_steps, "inline_steps": stats.inline_steps,
                 "committed_tokens": stats.committed_tokens, "accepted_tokens": stats.accepted_tokens,
                 "expected_accepted": round(stats.expected_accepted, 2),
                 **dict(zip(("followed_drafts", "followed_accepted"), self.source.followed(), strict=True)),

@@ -87,6 +87,7 @@ class PoolSource:
     verifies per request; ``prefetch``: the forward leaves time for the shards' prefetch."""
 
     core = None
+    offloads = False  # the shards' work runs in their actors whatever the proposer does
 
     def __init__(self, settings: PoolSettings, calibration: PrefetchConfig, stop_tokens: tuple[int, ...], k: int,
                  prefetch: bool) -> None:
@@ -281,7 +282,8 @@ class PoolSource:
                     continue
                 drafts[i] = self._usable(Draft(reply.tokens, reply.probs, source="prompt"), int(rows.ks[i]))
 
-    def end_step(self, rows: StepRows, sent: DraftBatch, looked_up: bool, prefetch_next: bool) -> None:
+    def end_step(self, rows: StepRows, sent: DraftBatch, looked_up: bool, prefetch_next: bool,
+                 offload: bool = True) -> None:
         by_shard: dict[int, list[str]] = {}
         for request, length in zip(rows.requests, np.diff(sent.offsets).tolist(), strict=True):
             request: PoolRequest

@@ -435,3 +435,98 @@ def test_the_source_sees_a_steps_rows_in_the_order_the_requests_came(monkeypatch
     assert seen == [["a", "b", "c", "d"]] * 4
     assert drafts[0] == drafts[1]
     assert drafts[0]["a"] == [102, 103, 100, 101] and drafts[0]["d"] == [101, 102, 103, 100]
+
+
+def test_offload_choice_tries_both_ways_then_keeps_the_faster_and_tries_the_other_less_and_less_often():
+    from ngramrl.engine.vllm_proposer import OffloadChoice
+
+    choice = OffloadChoice(first=3, retry_every=8, retry_max=64, window=5)
+    made = []
+    for _ in range(200):
+        way = choice.choose(4)
+        made.append(way)
+        choice.record(4, way, 0.002 if way else 0.001)  # the call is faster with the work in it
+    assert made[:6] == [True, True, True, False, False, False]
+    retries = [i for i, way in enumerate(made) if way and i >= 6]
+    gaps = [b - a for a, b in zip(retries, retries[1:], strict=False)]
+    assert gaps[:3] == [16, 32, 64] and set(gaps[3:]) == {64}  # each retry that confirms doubles the interval
+    assert choice.choose(300) is True  # another batch size starts over
+    # the other way becomes faster: a retry finds it, and the choice follows within a window of samples
+    for _ in range(200):
+        way = choice.choose(4)
+        choice.record(4, way, 0.0005 if way else 0.001)
+    assert choice.choose(4) is True
+
+
+def test_offload_choice_carries_a_settled_size_to_the_sizes_beyond_it():
+    from ngramrl.engine.vllm_proposer import OffloadChoice
+
+    choice = OffloadChoice(first=2)
+    for _ in range(6):  # 2-3 rows: handing over is faster
+        way = choice.choose(3)
+        choice.record(3, way, 0.001 if way else 0.002)
+    assert [choice.choose(20) for _ in range(5)] == [True] * 5  # more rows: no need to try the call's way
+    slow_wake = OffloadChoice(first=2)
+    for _ in range(6):  # 64-127 rows on a host where waking the worker costs more than the work
+        way = slow_wake.choose(100)
+        slow_wake.record(100, way, 0.003 if way else 0.001)
+    assert [slow_wake.choose(40) for _ in range(5)] == [False] * 5  # fewer rows: the call's way at once
+
+
+def _run_with_costs(monkeypatch, mode, hand_over_ms, lookup_ms):
+    """One request through 60 steps on an accelerator's settings, a hand-over to the background
+    costing ``hand_over_ms`` of the proposer's clock and each lookup the prefetch did not have ready
+    ``lookup_ms``; the drafts and the proposer's counters."""
+    pattern = [100, 101, 102, 103, 104, 105]
+    clock = SteppedClock()
+    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=mode))))
+    proposer = NgramRLProposer(standin_vllm_config(4, eos_token_ids=(2,), max_model_len=4096, device_type="cuda"),
+                               clock=clock)
+    proposer.cost = FixedStepCost(0.03, 0.001, 0.0, 0.0)
+    runner = StandInRunner()
+    proposer.bind_runner(runner)
+    assert (proposer.offload is not None) == (mode == "auto")
+    proposer.core.add_rollout("p", [1, 2, 3], pattern * 40, epoch=0)
+    runner.add("r0", "p", [1, 2, 3])
+    absorb, prefetch, core_step = proposer.core.absorb, proposer.core.prefetch, proposer.core.step
+
+    def handed_absorb(handles, now=False):
+        clock.now += 0 if now else int(hand_over_ms * 1e6)
+        return absorb(handles, now=now)
+
+    def handed_prefetch(*args, **kwargs):
+        clock.now += int(hand_over_ms * 1e6)
+        return prefetch(*args, **kwargs)
+
+    def looking_step(handles, tokens, offsets, ks):
+        drafts = core_step(handles, tokens, offsets, ks)
+        clock.now += int(lookup_ms * 1e6) * int(sum(not hit for hit in drafts.prefetched[:len(ks)]))
+        return drafts
+
+    proposer.core.absorb, proposer.core.prefetch, proposer.core.step = handed_absorb, handed_prefetch, looking_step
+    position, draft, drafts = 0, [], []
+    for _ in range(60):
+        right = 0
+        while right < len(draft) and draft[right] == pattern[(position + right) % 6]:
+            right += 1
+        tokens = [pattern[(position + i) % 6] for i in range(right + 1)]
+        position += len(tokens)
+        draft = proposer.propose([tokens], [3 + position], None)[0]
+        drafts.append(draft)
+        proposer.core.stop()  # the forward: the background finishes
+        clock.now += 30_000_000
+    return drafts, proposer.stats_dict()
+
+
+@pytest.mark.parametrize("hand_over_ms, lookup_ms, inline", [(1.0, 0.0, True), (0.0, 1.0, False)])
+def test_the_proposer_runs_the_steps_work_where_that_is_faster_and_drafts_the_same(monkeypatch, hand_over_ms,
+                                                                                     lookup_ms, inline):
+    """prefetch "auto" on an accelerator: a hand-over to the background that costs more than the work
+    it moves (one request in flight) makes the proposer do that work in the call; lookups that the
+    prefetch saves make it hand over. The drafts are those of a proposer without a background."""
+    pytest.importorskip("ngramrl._native", reason="the native core is not built (pip install . builds it)")
+    auto, stats = _run_with_costs(monkeypatch, "auto", hand_over_ms, lookup_ms)
+    chosen, other = ((stats["inline_steps"], stats["offloaded_steps"]) if inline
+                     else (stats["offloaded_steps"], stats["inline_steps"]))
+    assert chosen > 3 * other, stats
+    assert auto == _run_with_costs(monkeypatch, "off", hand_over_ms, lookup_ms)[0]
