@@ -57,6 +57,15 @@ def test_lookups_back_off_while_the_cost_model_keeps_nothing(monkeypatch):
                      291]
 
 
+def committed_after(draft, pattern, position):
+    """What the target commits after ``draft`` on a stream that repeats ``pattern`` from
+    ``position``: the draft's leading tokens that are right, then the next token of its own."""
+    right = 0
+    while right < len(draft) and draft[right] == pattern[(position + right) % len(pattern)]:
+        right += 1
+    return [pattern[(position + i) % len(pattern)] for i in range(right + 1)]
+
+
 class SteppedClock:
     """Time that passes only when told (nanoseconds)."""
 
@@ -86,13 +95,9 @@ def test_lookups_back_off_when_they_cost_more_than_their_drafts_save(monkeypatch
     proposer.core.step = slow
     position, draft, accepted = 0, [], 0
     for _ in range(100):
-        # the target accepts what the draft got right of the pattern, then adds the next token
-        right = 0
-        while right < len(draft) and draft[right] == pattern[(position + right) % 6]:
-            right += 1
-        tokens = [pattern[(position + i) % 6] for i in range(right + 1)]
+        tokens = committed_after(draft, pattern, position)
         position += len(tokens)
-        accepted += right
+        accepted += len(tokens) - 1
         draft = proposer.propose([tokens], [3 + position], None)[0]
         clock.now += 31_000_000
     if lookup_ms == 0:
@@ -249,10 +254,7 @@ def test_a_request_that_finishes_leaves_the_others_prefetched_drafts_valid(monke
             runner.add(f"x{s}", f"other{s}", [1, 7, 8], epoch=1)
         if s in (6, 10):
             runner.remove(f"x{s - 2}")
-        right = 0  # the target accepts what r0's draft got right of the pattern, then the next token
-        while right < len(draft) and draft[right] == pattern[(position + right) % 6]:
-            right += 1
-        tokens = [pattern[(position + i) % 6] for i in range(right + 1)]
+        tokens = committed_after(draft, pattern, position)  # r0's
         position += len(tokens)
         sampled = [tokens] + [[7] for _ in runner.input_batch.req_ids[1:]]
         before = proposer.stats.prefetch_hits
@@ -506,10 +508,7 @@ def _run_with_costs(monkeypatch, mode, hand_over_ms, lookup_ms):
     proposer.core.absorb, proposer.core.prefetch, proposer.core.step = handed_absorb, handed_prefetch, looking_step
     position, draft, drafts = 0, [], []
     for _ in range(60):
-        right = 0
-        while right < len(draft) and draft[right] == pattern[(position + right) % 6]:
-            right += 1
-        tokens = [pattern[(position + i) % 6] for i in range(right + 1)]
+        tokens = committed_after(draft, pattern, position)
         position += len(tokens)
         draft = proposer.propose([tokens], [3 + position], None)[0]
         drafts.append(draft)
