@@ -174,6 +174,7 @@ def test_a_prefetching_native_core_works_during_the_forward_and_the_drafts_stay_
     results, hits = {}, {}
     for method in ("ngramrl", "ngramrl-prefetch"):
         engine = build_engine(method, workload, k=4, times=times, flush_bytes=0)
+        engine.proposer.offload = None  # every step hands its work to the background (prefetch "on")
         records = engine.run_phase(workload.phases[0], batch=4)
         engine.close()
         results[method] = records
