@@ -564,7 +564,6 @@ def _ints(values: Any) -> list[int]:
     return np.asarray(values, dtype=np.int64).reshape(-1).tolist() if not isinstance(values, list) else list(values)
 
 
-
 @dataclass
 class CommittedRows:
     """The rows of an engine step that commit tokens for a request with a prompt, in the order the

@@ -101,7 +101,6 @@ class CoreSource:
         self.core = make_core(config.history, drafter, config.prefetch, threads=config.engine.draft_threads,
                               follow=True)
         self.k = k
-        self.background = background
         self.offloads = background
 
     def start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> int:
@@ -112,7 +111,7 @@ class CoreSource:
 
     def begin_step(self) -> None:
         """Stop the prefetch (its finished lookups are kept for this step)."""
-        if self.background:
+        if self.offloads:
             self.core.stop(cancel=True)
 
     def draft(self, rows: StepRows) -> DraftBatch:
@@ -131,7 +130,7 @@ class CoreSource:
         few rows' work). A step without lookups leaves them for the next one that looks up (a
         worker woken for the inserts alone measured 1.3% slower than synchronous drafting at 32
         requests in flight; docs/vllm.md)."""
-        if not (self.background and offload):
+        if not (self.offloads and offload):
             self.core.stop()  # the finished requests' work, now: not on the forward's cores
             if len(rows) and looked_up:
                 self.core.absorb(rows.requests, now=True)
@@ -178,7 +177,7 @@ class CoreSource:
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"prompts": len(self.core), "native_core": self.core.native}
         timings = self.core.timings() if self.core.native else None
-        if self.background and timings is not None:
+        if self.offloads and timings is not None:
             stats.update(prefetch_dispatched=timings["prefetch_lookups"], prefetch_failed=0,
                          prefetch_plan_us_median=timings["plan_ns"] / 1000 / max(1, timings["plan_rows"]))
         return stats
