@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ngramrl.config import ENGINE_DTYPES
+from ngramrl.config import ENGINE_DTYPES, PrefetchConfig
 from ngramrl.core.trace import TraceError
 
 
@@ -136,7 +136,7 @@ def _bench_steps(args: argparse.Namespace) -> int:
 
     run_bench_steps(BenchStepsConfig(traces=args.traces, batches=args.batch, threads=args.threads,
                                      methods=args.method, k=args.k, profile=args.profile, flush_mb=args.flush_mb,
-                                     draft_always=args.draft_always, json_out=args.json))
+                                     draft_always=args.draft_always, budgets=args.budget, json_out=args.json))
     return 0
 
 
@@ -249,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--draft-always", action="store_true",
                        help="every row drafts k tokens at every step (the step-cost model off): what drafting costs "
                             "at most, the same work for every build compared")
+    steps.add_argument("--budget", type=int, nargs="+", default=[PrefetchConfig().budget], metavar="N",
+                       help="ngramrl-prefetch's next-draft lookups per request per step (several: one run each)")
     steps.add_argument("--json", help="write the results as JSON here")
     steps.set_defaults(func=_bench_steps)
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from ngramrl.bench.report import print_now
 from ngramrl.bench.steps import build_engine, copies_for, method_available, prepare_workload, summarize_steps
-from ngramrl.config import EngineConfig, NgramRLConfig
+from ngramrl.config import EngineConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.profile import MODEL_SHAPES, StepProfile, check_output, load_profile, roofline_profile
 from ngramrl.core.trace import read_trace
 
@@ -36,6 +36,7 @@ class BenchStepsConfig:
     profile: str | None = None    # a step profile's path; None: the H100 roofline of Qwen3-8B
     flush_mb: float = 32.0
     draft_always: bool = False    # every row drafts k tokens every step: the step-cost model off
+    budgets: list[int] = field(default_factory=lambda: [PrefetchConfig().budget])  # ngramrl-prefetch: one run each
     json_out: str | None = None
 
     def __post_init__(self) -> None:
@@ -52,6 +53,8 @@ class BenchStepsConfig:
             raise ValueError(f"--k must be >= 1, got {self.k}")
         if self.flush_mb < 0:
             raise ValueError(f"--flush-mb must be >= 0, got {self.flush_mb}")
+        if not self.budgets or any(b < 1 for b in self.budgets):
+            raise ValueError(f"--budget values must be >= 1, got {self.budgets}")
 
 
 def prefetch_coverage(proposer: object) -> float | None:
@@ -75,6 +78,15 @@ def resumed_misses(proposer: object) -> float | None:
     return round(timings["resumed_lookups"] / misses, 4) if misses else 0.0
 
 
+def step_runs(config: BenchStepsConfig) -> list[tuple[str, int, int | None]]:
+    """(method, threads, prefetch budget) of each run for one trace and batch size: every thread
+    count for ngramrl's methods (SuffixDecoding's core is single-threaded: one run), every budget
+    for ngramrl-prefetch (None: a method without prefetch)."""
+    return [(method, threads, budget) for method in config.methods
+            for threads in (config.threads if method.startswith("ngramrl") else config.threads[:1])
+            for budget in (config.budgets if method == "ngramrl-prefetch" else [None])]
+
+
 def default_profile(k: int) -> StepProfile:
     return roofline_profile("h100", MODEL_SHAPES["qwen3-8b"], k=k)
 
@@ -86,7 +98,7 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
     skipped = {m: why for m in config.methods if (why := method_available(m))}
     for method, why in skipped.items():
         log(f"bench-steps: skipping {method}: {why}")
-    ngramrl_config = NgramRLConfig(engine=EngineConfig(adaptive_length=not config.draft_always))
+    engine_config = EngineConfig(adaptive_length=not config.draft_always)
     runs: list[dict] = []
     result = {"ngramrl_bench_steps": BENCH_STEPS_VERSION, "runs": runs,
               "profile": {"source": profile.source, "model": profile.model.get("name"),
@@ -105,20 +117,19 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
             raise ValueError(f"{trace.path}: one epoch only; bench-steps needs earlier epochs as history")
         for batch in config.batches:
             workload = prepare_workload(trace, last, copies_for(trace, last, 2 * batch))
-            # SuffixDecoding's core is single-threaded: one run of it whatever the thread counts
-            for method, threads in [(m, t) for m in config.methods for t in
-                                    (config.threads if m.startswith("ngramrl") else config.threads[:1])]:
+            for method, threads, budget in step_runs(config):
                 if method in skipped:
                     continue
-                engine = build_engine(method, workload, config.k, profile, threads,
-                                      int(config.flush_mb * (1 << 20)), config=ngramrl_config)
+                prefetch = PrefetchConfig(budget=budget) if budget is not None else PrefetchConfig()
+                engine = build_engine(method, workload, config.k, profile, threads, int(config.flush_mb * (1 << 20)),
+                                      config=NgramRLConfig(engine=engine_config, prefetch=prefetch))
                 try:
                     records = engine.run_phase(workload.phases[0], batch)
                 finally:
                     engine.close()
                 summary = summarize_steps(records, batch)
                 run = {"trace": trace.path, "method": method, "batch": batch,
-                       "threads": threads if method.startswith("ngramrl") else 1,
+                       "threads": threads if method.startswith("ngramrl") else 1, "budget": budget,
                        **{key: round(value, 3) if isinstance(value, float) else value
                           for key, value in asdict(summary).items()},
                        "prefetch_coverage": prefetch_coverage(engine.proposer),
@@ -126,7 +137,8 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                 runs.append(run)
                 write(partial=True)
                 log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} T={run['threads']:<3} "
-                    f"steps {run['steps']:>5}  "
+                    + ("" if budget is None else f"budget {budget:<3} ")
+                    + f"steps {run['steps']:>5}  "
                     f"step {run['step_us_median']:>9.1f} / {run['step_us_mean']:>9.1f} / {run['step_us_p99']:>9.1f} us "
                     f"(median/mean/p99)  {run['request_us_mean']:>6.1f} us/request  offpath "
                     f"{run['offpath_us_mean']:>8.1f} us  tok/fwd {run['tokens_per_forward']:.3f}"

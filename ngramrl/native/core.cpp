@@ -262,6 +262,56 @@ struct CacheKeyHash {
     }
 };
 
+// The prefetched outcomes by (request, j, b), for the step's commits: open addressing in one array
+// (a find is mostly one cache line, where a node-based map reads its bucket and then its node),
+// emptied by a new stamp rather than by writing every slot.
+class OutcomeTable {
+public:
+    void reset(size_t entries) {
+        size_t size = 16;
+        while (size < 2 * entries) size *= 2;
+        if (slots_.size() < size) {
+            slots_.assign(size, Slot{});
+            stamp_ = 0;
+        }
+        if (++stamp_ == 0) {  // the stamps wrapped: forget every slot
+            std::fill(slots_.begin(), slots_.end(), Slot{});
+            stamp_ = 1;
+        }
+    }
+
+    void insert(const CacheKey& key, int32_t value) {
+        const size_t mask = slots_.size() - 1;
+        for (size_t at = CacheKeyHash{}(key) & mask;; at = (at + 1) & mask) {
+            Slot& slot = slots_[at];
+            if (slot.stamp != stamp_ || slot.key == key) {
+                slot = Slot{key, value, stamp_};
+                return;
+            }
+        }
+    }
+
+    // The value stored for ``key``, or -1.
+    int32_t find(const CacheKey& key) const {
+        if (slots_.empty()) return -1;
+        const size_t mask = slots_.size() - 1;
+        for (size_t at = CacheKeyHash{}(key) & mask;; at = (at + 1) & mask) {
+            const Slot& slot = slots_[at];
+            if (slot.stamp != stamp_) return -1;
+            if (slot.key == key) return slot.value;
+        }
+    }
+
+private:
+    struct Slot {
+        CacheKey key{-1, 0, 0};
+        int32_t value = -1;
+        uint32_t stamp = 0;
+    };
+    std::vector<Slot> slots_;
+    uint32_t stamp_ = 0;
+};
+
 template <typename T>
 py::array_t<T> to_array(const std::vector<T>& v) {
     py::array_t<T> out(static_cast<py::ssize_t>(v.size()));
@@ -620,7 +670,7 @@ public:
         for (int64_t h : absorb_first) first.push_back(&get(h));
         background_.submit([this, reqs, first, tokens, offsets, probs, k] {
             if (!first.empty()) timed_absorb(first);
-            cache_.clear();
+            cache_.reset(0);
             outcomes_.clear();
             ++prefetches_;
             run_prefetch(reqs, tokens, offsets, probs, k);
@@ -759,7 +809,7 @@ private:
         Stamp stamp;  // what its lookup read
     };
     std::vector<uint8_t> wants_lookup_, done_;  // a step's rows: still to look up; committed already
-    std::unordered_map<CacheKey, int32_t, CacheKeyHash> cache_;  // -> index into outcomes_
+    OutcomeTable cache_;  // -> index into outcomes_
     bool cache_valid_ = false;  // the last prefetch's, not used by a step yet
     uint64_t prefetches_ = 0;   // prefetches run (the generation of Walked states)
     std::vector<Prefetched> outcomes_;
@@ -971,9 +1021,9 @@ private:
         }
         commit(r, committed);
         if (cache_valid_ && !committed.empty() && r.known) {
-            auto it = cache_.find(CacheKey{r.handle, static_cast<int32_t>(committed.size()) - 1, committed.back()});
-            if (it != cache_.end() && outcomes_[it->second].stamp == stamp(r)) {
-                drafts_[i] = outcomes_[it->second].draft;
+            const int32_t at = cache_.find(CacheKey{r.handle, static_cast<int32_t>(committed.size()) - 1, committed.back()});
+            if (at >= 0 && outcomes_[at].stamp == stamp(r)) {
+                drafts_[i] = outcomes_[at].draft;
                 truncate(drafts_[i], k);
                 hits_[i] = 1;
                 return;
@@ -1183,32 +1233,51 @@ private:
         std::vector<std::vector<Prefetched>> found(rows.size());
         std::atomic<int64_t> plan_ns{0}, lookup_ns{0}, planned{0};
         if (alloc.global_budget < 0) {
-            // Budgets per request only: each row is planned and looked up on its own, so a cancel (the
-            // next step is here) keeps every lookup made so far, and waits for one lookup at most.
+            // Budgets per request only. Each row is planned and looks up its likeliest kFirst outcomes
+            // in one task, while its states are in the cache; the rows' other outcomes run after
+            // every row's first ones, a row at a time, the likeliest rows first. The next step
+            // cancels what the forward left no time for (waiting for one group at most).
+            constexpr size_t kGroup = 4;   // lookups of one row drafted together, their cache misses overlapped
+            constexpr size_t kFirst = 16;  // lookups a row makes before any row makes more
+            std::vector<std::vector<OutcomeOut>> chosen(rows.size());
+            std::vector<size_t> looked(rows.size(), 0);  // per row: its outcomes looked up, likeliest first
+            auto look = [&](size_t n, size_t begin, size_t end) {
+                for (size_t g = begin; g < end; g += kGroup) {
+                    if (cancel_.load(std::memory_order_relaxed)) return;
+                    const size_t size = std::min(kGroup, end - g);
+                    lookup_outcomes(*reqs[rows[n]], tokens, offsets[rows[n]], chosen[n].data() + g, size, k, global,
+                                    found[n].data() + g);
+                    looked[n] = g + size;
+                }
+            };
             background_pool_.run(rows.size(), [&](size_t n) {
                 if (cancel_.load(std::memory_order_relaxed)) return;
                 const int64_t t0 = now_ns();
                 Request& r = *reqs[rows[n]];
-                std::vector<std::vector<OutcomeOut>> candidates(1), chosen;
+                std::vector<std::vector<OutcomeOut>> candidates(1), mine;
                 predict_row(r, tokens, offsets[rows[n]], offsets[rows[n] + 1], probs, global, candidates[0]);
-                allocate(candidates, {r.handle}, alloc, chosen);
+                allocate(candidates, {r.handle}, alloc, mine);
+                chosen[n] = std::move(mine[0]);
                 const int64_t t1 = now_ns();
-                // A few lookups at a time, their cache misses overlapped (a cancel waits for one group).
-                constexpr size_t kGroup = 4;
-                const std::vector<OutcomeOut>& outcomes = chosen[0];
-                found[n].reserve(outcomes.size());
-                for (size_t g = 0; g < outcomes.size(); g += kGroup) {
-                    if (cancel_.load(std::memory_order_relaxed)) break;
-                    const size_t group = std::min(kGroup, outcomes.size() - g);
-                    for (size_t o = g; o < g + group; ++o)
-                        found[n].push_back(Prefetched{rows[n], outcomes[o], DraftOut{}, Stamp{}});
-                    lookup_outcomes(r, tokens, offsets[rows[n]], outcomes.data() + g, group, k, global,
-                                    found[n].data() + g);
-                }
+                found[n].reserve(chosen[n].size());
+                for (const OutcomeOut& o : chosen[n]) found[n].push_back(Prefetched{rows[n], o, DraftOut{}, Stamp{}});
+                look(n, 0, std::min(kFirst, chosen[n].size()));
                 plan_ns += t1 - t0;
                 lookup_ns += now_ns() - t1;
                 planned += 1;
             });
+            std::vector<size_t> more;  // rows with outcomes beyond their first, likeliest next outcome first
+            for (size_t n = 0; n < rows.size(); ++n)
+                if (chosen[n].size() > kFirst && looked[n] == kFirst) more.push_back(n);
+            std::stable_sort(more.begin(), more.end(), [&](size_t x, size_t y) {
+                return chosen[x][kFirst].probability > chosen[y][kFirst].probability;
+            });
+            background_pool_.run(more.size(), [&](size_t m) {
+                const int64_t t2 = now_ns();
+                look(more[m], kFirst, chosen[more[m]].size());
+                lookup_ns += now_ns() - t2;
+            });
+            for (size_t n = 0; n < rows.size(); ++n) found[n].resize(looked[n]);  // (the rest were not looked up)
         } else {
             // A budget across the batch: every row's outcomes first, then the allocation, then lookups.
             std::vector<std::vector<OutcomeOut>> candidates(rows.size());
@@ -1237,6 +1306,9 @@ private:
             std::vector<Job> jobs;
             for (size_t n = 0; n < rows.size(); ++n)
                 for (const auto& o : chosen[n]) jobs.push_back(Job{n, o});
+            // Likeliest first across the batch: what a cancel leaves undone is the least likely.
+            std::stable_sort(jobs.begin(), jobs.end(),
+                             [](const Job& x, const Job& y) { return x.outcome.probability > y.outcome.probability; });
             std::vector<DraftOut> drafts(jobs.size());
             std::vector<uint8_t> done(jobs.size(), 0);
             background_pool_.run(jobs.size(), [&](size_t jn) {
@@ -1253,12 +1325,12 @@ private:
         size_t total = 0;
         for (const auto& f : found) total += f.size();
         outcomes_.reserve(total);
-        cache_.reserve(total);
+        cache_.reset(total);
         for (auto& f : found) {
             for (auto& p : f) {
                 const Request& r = *reqs[p.row];
                 p.stamp = stamp(r);
-                cache_[CacheKey{r.handle, p.outcome.accepted, p.outcome.token}] = static_cast<int32_t>(outcomes_.size());
+                cache_.insert(CacheKey{r.handle, p.outcome.accepted, p.outcome.token}, static_cast<int32_t>(outcomes_.size()));
                 outcomes_.push_back(std::move(p));
             }
         }

@@ -159,6 +159,23 @@ inline CutRows cut_rows(const I32& tokens, const I64& offsets, const F64& probs,
     return cut;
 }
 
+// One Python int per token id, made at its first use and kept for the module's life (a
+// vocabulary's worth at most): ints are immutable, so the draft lists share them, and a step's
+// lists allocate no ints (at 1024 rows of 8 tokens, 8192 allocations a step, each likely to miss
+// the cache after a forward). Called with the GIL held.
+inline PyObject* token_int(int32_t token) {
+    static std::vector<PyObject*> made;
+    if (token < 0) return PyLong_FromLong(token);
+    const size_t at = static_cast<size_t>(token);
+    if (at >= made.size()) made.resize(at + 1, nullptr);
+    if (made[at] == nullptr) {
+        made[at] = PyLong_FromLong(token);
+        if (made[at] == nullptr) return nullptr;
+    }
+    Py_INCREF(made[at]);
+    return made[at];
+}
+
 // ``size`` lists, list positions[i] holding row rows[i] (rows == nullptr: row i) of the flat
 // tokens (a later entry for the same position wins), the others empty, each its own object (vLLM
 // trims them in place). Each list is made once, and is not tracked by Python's cycle collector:
@@ -191,7 +208,7 @@ inline py::list lists_of(int64_t size, const I64& positions, const int64_t* rows
         PyObject* list = PyList_New(end - begin);
         if (list == nullptr) throw py::error_already_set();
         for (int64_t t = begin; t < end; ++t) {
-            PyObject* value = PyLong_FromLong(tok[t]);
+            PyObject* value = token_int(tok[t]);
             if (value == nullptr) {
                 Py_DECREF(list);
                 throw py::error_already_set();

@@ -306,6 +306,55 @@ def test_a_stopped_prefetch_leaves_its_drafts_to_the_next_step():
         assert core.step([h], committed, [0, len(committed)], [4]).prefetched[0]
 
 
+def outcomes_by_row(outcomes: OutcomeBatch) -> dict[int, list[tuple[int, int]]]:
+    rows: dict[int, list[tuple[int, int]]] = {}
+    for row, j, b in zip(outcomes.rows.tolist(), outcomes.accepted.tolist(), outcomes.token.tolist(), strict=True):
+        rows.setdefault(row, []).append((j, b))
+    return rows
+
+
+def test_a_cancelled_prefetch_keeps_each_rows_likeliest_lookups_before_any_row_looks_further():
+    """The next step cancels what the forward left no time for. Whenever that comes, each row has
+    kept a prefix of its outcomes, likeliest first, and no row has looked beyond its first 16
+    while another still lacks them: a forward too short for the budget leaves every row its
+    likeliest drafts, not some rows all of theirs and the others none."""
+    trace = read_trace(next(p for p in builtin_traces() if "gsm" in p and "t0.6" in p))
+    core = make_core(HistoryConfig(), DrafterConfig(stop_tokens=tuple(trace.header.eos_token_ids)),
+                     PrefetchConfig(budget=64), threads=1, native=True)
+    last = max(r.epoch for r in trace.rollouts)
+    for r in trace.rollouts:
+        if r.epoch < last:
+            core.add_rollout(r.prompt_id, r.prompt, r.output, r.epoch)
+    running = [r for r in trace.rollouts if r.epoch == last][:256]
+    handles = [core.start(r.prompt_id, r.prompt, [], True) for r in running]
+    committed = [r.output[:2] for r in running]
+    offsets = np.cumsum([0] + [len(c) for c in committed])
+    drafts = core.step(handles, [t for c in committed for t in c], offsets, [8] * len(handles))
+    core.absorb(handles, now=True)
+
+    def prefetch(wait: float | None) -> dict[int, list[tuple[int, int]]]:
+        core.prefetch(handles, drafts.tokens, drafts.offsets, drafts.probs, 8)
+        if wait is None:
+            return outcomes_by_row(core.collect())
+        core.wait_idle(wait)
+        return outcomes_by_row(core.collect(cancel=True))
+
+    full = prefetch(None)
+    assert sum(map(len, full.values())) > 40 * len(handles)  # the budget is mostly used
+    first = {row: min(16, len(outcomes)) for row, outcomes in full.items()}
+    looked_further = 0
+    for wait in [0.0005 * 1.5 ** i for i in range(16)] * 2:
+        kept = prefetch(wait)
+        for row, outcomes in kept.items():
+            assert outcomes == full[row][:len(outcomes)], f"row {row} kept {outcomes}, not a prefix"
+        if any(len(outcomes) > 16 for outcomes in kept.values()):
+            looked_further += sum(map(len, kept.values())) < sum(map(len, full.values()))
+            short = [row for row in full if len(kept.get(row, [])) < first[row]]
+            assert not short, f"{len(short)} rows lack their first outcomes while others looked further (wait {wait})"
+    assert looked_further > 0  # some cancel came while rows were looking beyond their first 16
+    core.close()
+
+
 def trace_run(path: str, batch: int, limit: int, threads: int) -> tuple[int, int]:
     """Epoch 3 of a trace (or its last, if earlier: three epochs of history, before an RL run's
     policy has converged and its drafts match whole rollouts) with ``batch`` requests in flight,
