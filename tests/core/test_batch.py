@@ -325,7 +325,7 @@ def test_a_cancelled_prefetch_keeps_each_rows_likeliest_lookups_before_any_row_l
     for r in trace.rollouts:
         if r.epoch < last:
             core.add_rollout(r.prompt_id, r.prompt, r.output, r.epoch)
-    running = [r for r in trace.rollouts if r.epoch == last][:256]
+    running = [r for r in trace.rollouts if r.epoch == last] * 4  # siblings in flight: a prefetch of tens of ms
     handles = [core.start(r.prompt_id, r.prompt, [], True) for r in running]
     committed = [r.output[:2] for r in running]
     offsets = np.cumsum([0] + [len(c) for c in committed])
@@ -343,7 +343,7 @@ def test_a_cancelled_prefetch_keeps_each_rows_likeliest_lookups_before_any_row_l
     assert sum(map(len, full.values())) > 40 * len(handles)  # the budget is mostly used
     first = {row: min(16, len(outcomes)) for row, outcomes in full.items()}
     looked_further = 0
-    for wait in [0.0005 * 1.5 ** i for i in range(16)] * 2:
+    for wait in [0.0002 * 1.5 ** i for i in range(24)]:
         kept = prefetch(wait)
         for row, outcomes in kept.items():
             assert outcomes == full[row][:len(outcomes)], f"row {row} kept {outcomes}, not a prefix"
