@@ -117,8 +117,9 @@ class DrafterConfig:
 class PrefetchConfig:
     """How verification outcomes are predicted and how many next drafts are looked up ahead."""
 
-    budget: int = 16                   # next-draft lookups per request per step
+    budget: int = 16                   # next-draft lookups per request per step (on average, when shared)
     global_budget: int | None = None   # optional cap for the whole batch (fan-out follows uncertainty)
+    share_budget: bool = True          # without a global budget: budget x requests across the batch
     min_probability: float = 0.0       # outcomes less likely than this are never prefetched
     levels: int = 3                    # suffix levels whose continuations are candidate corrections
     prior_strength: float = 4.0        # pseudo-observations behind the drafter's own estimate

@@ -52,7 +52,7 @@ from ngramrl.core.drafter import EMPTY, Draft, NgramDrafter, RequestState
 from ngramrl.core.estimate import MatchState, advance
 from ngramrl.core.extension import native_module
 from ngramrl.core.history import RolloutHistory
-from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival, allocate, predict_for
+from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival, allocate, allocation, predict_for
 
 SOURCES = ("none", "prompt", "global")  # DraftBatch.source codes
 
@@ -446,7 +446,7 @@ class ReferenceCore:
             draft = Draft(tokens[begin:end].tolist(), probs[begin:end].tolist())
             drafts[handle] = (i, draft)
             candidates[handle] = predict_for(self.drafter.outcome_sources(self._caught_up(request)), draft,
-                                             self.calibration, config.budget, config.levels)
+                                             self.calibration, allocation(config)[0], config.levels)
         chosen = allocate(candidates, config)
         rows, accepted, emitted, chance, found = [], [], [], [], []
         self._cache = {}

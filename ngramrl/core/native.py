@@ -14,6 +14,7 @@ import numpy as np
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.batch import SOURCES, DraftBatch, OutcomeBatch, checked_fit
 from ngramrl.core.drafter import Draft
+from ngramrl.core.outcome import allocation
 
 
 class NativeCore:
@@ -28,6 +29,7 @@ class NativeCore:
             raise ValueError(f"NativeCore threads must be >= 1, got {threads}")
         self.history_config, self.drafter_config, self.prefetch_config = history, drafter, prefetch
         self.threads = threads
+        limit, shared = allocation(prefetch)
         self._core = module.Core(
             rollouts_per_prompt=history.rollouts_per_prompt, epochs_kept=history.epochs_kept,
             max_tokens=history.max_tokens, prompt_tail=history.prompt_tail,
@@ -35,7 +37,8 @@ class NativeCore:
             rematch_tokens=drafter.rematch_tokens, use_global=drafter.use_global, draft_levels=drafter.levels,
             path_width=drafter.path_width,
             stop_tokens=[int(t) for t in drafter.stop_tokens],
-            budget=prefetch.budget, global_budget=-1 if prefetch.global_budget is None else prefetch.global_budget,
+            budget=limit, global_budget=-1 if prefetch.global_budget is None else prefetch.global_budget,
+            shared_budget=prefetch.budget if shared else -1,
             min_probability=prefetch.min_probability, levels=prefetch.levels,
             prior_strength=prefetch.prior_strength, calibration_decay=prefetch.calibration_decay, threads=threads,
             follow=follow)

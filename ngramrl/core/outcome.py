@@ -211,16 +211,32 @@ def predict_for(sources: list[Source], draft: Draft, calibration: AcceptanceCali
     return predict_outcomes(sources, draft, calibration.chances(draft.probs), limit, levels)
 
 
+SHARE_CAP = 2  # with a shared budget, one request gets at most this many times its share
+
+
+def allocation(config: PrefetchConfig) -> tuple[int, bool]:
+    """What a prefetch may spend: the most outcomes one request gets (how many the outcome model
+    enumerates for it), and whether the batch's total is ``budget`` x its planned requests. With
+    ``share_budget`` (and no ``global_budget``) the likeliest outcomes across the batch get the
+    lookups, so a confident request leaves its share to uncertain ones, each up to ``SHARE_CAP``
+    shares; otherwise ``budget`` each, and ``global_budget`` overall if given."""
+    shared = config.share_budget and config.global_budget is None
+    return (SHARE_CAP * config.budget if shared else config.budget), shared
+
+
 def allocate(candidates: dict[str, list[Outcome]], config: PrefetchConfig) -> dict[str, list[Outcome]]:
     """Choose outcomes to prefetch: at most ``budget`` per request and ``global_budget`` overall,
-    never below ``min_probability``, likeliest first across the batch."""
+    never below ``min_probability``, likeliest first across the batch; with a shared budget
+    (``allocation``), ``budget`` x the requests overall, at most ``SHARE_CAP`` x ``budget`` each."""
+    limit, shared = allocation(config)
     per_request = {
-        rid: [o for o in outcomes[:config.budget] if o.probability >= config.min_probability and o.probability > 0]
+        rid: [o for o in outcomes[:limit] if o.probability >= config.min_probability and o.probability > 0]
         for rid, outcomes in candidates.items()
     }
-    if config.global_budget is None:
+    total = config.budget * len(candidates) if shared else config.global_budget
+    if total is None:
         return per_request
-    pool = heapq.nlargest(config.global_budget,
+    pool = heapq.nlargest(total,
                           ((o.probability, rid, i) for rid, outs in per_request.items() for i, o in enumerate(outs)))
     chosen: dict[str, list[Outcome]] = {rid: [] for rid in per_request}
     for _, rid, i in sorted(pool, key=lambda x: (x[1], x[2])):

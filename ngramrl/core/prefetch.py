@@ -22,7 +22,7 @@ from typing import Protocol
 
 from ngramrl.config import PrefetchConfig
 from ngramrl.core.drafter import Draft, NgramDrafter, RequestState
-from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, predict_for
+from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, allocation, predict_for
 
 
 class LookupWorker(Protocol):
@@ -82,7 +82,7 @@ def choose_outcomes(drafter: NgramDrafter, sent: list[tuple[RequestState, Draft]
             continue
         drafter.catch_up(request, index)
         candidates[request.request_id] = predict_for(drafter.outcome_sources(request), draft, calibration,
-                                                     config.budget, config.levels)
+                                                     allocation(config)[0], config.levels)
     return allocate(candidates, config)
 
 

@@ -244,7 +244,8 @@ struct DrafterConfig {
 };
 
 struct PrefetchConfig {
-    AllocateConfig allocate;
+    AllocateConfig allocate;      // allocate.budget: the most outcomes one request gets
+    int64_t shared_budget = -1;   // >= 0: the batch's total is this x its planned requests (outcome.allocation)
     int32_t levels = 3;
 };
 
@@ -1224,12 +1225,13 @@ private:
 
     void run_prefetch(const std::vector<Request*>& reqs, const Tokens& tokens, const std::vector<int64_t>& offsets,
                       const std::vector<double>& probs, int32_t k) {
-        const AllocateConfig& alloc = prefetch_.allocate;
+        AllocateConfig alloc = prefetch_.allocate;
         Automaton* global = history_.built_global();
         if (alloc.budget <= 0 || (config_.use_global && global == nullptr)) return;
         std::vector<int32_t> rows;
         for (size_t i = 0; i < reqs.size(); ++i)
             if (readable(*reqs[i])) rows.push_back(static_cast<int32_t>(i));  // empty drafts too: b is the next token
+        if (prefetch_.shared_budget >= 0) alloc.global_budget = prefetch_.shared_budget * static_cast<int64_t>(rows.size());
         std::vector<std::vector<Prefetched>> found(rows.size());
         std::atomic<int64_t> plan_ns{0}, lookup_ns{0}, planned{0};
         if (alloc.global_budget < 0) {
@@ -1348,6 +1350,8 @@ using namespace ngramrl;
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
+    // What ngramrl.core.extension checks for: Core takes shared_budget (the newest interface change).
+    m.attr("prefetch_shares_budget") = true;
     // xtx and xty are updated in place: an array that would need converting is refused, not copied
     m.def("step_cost_fold", &step_cost_fold, py::arg("xtx").noconvert(), py::arg("xty").noconvert(), py::arg("yty"),
           py::arg("observed"), py::arg("knees"), py::arg("decay"));
@@ -1364,7 +1368,7 @@ PYBIND11_MODULE(_native, m) {
         .def(py::init([](int64_t rollouts_per_prompt, int64_t epochs_kept, int64_t max_tokens, int64_t prompt_tail,
                          int32_t max_draft, double min_confidence, int32_t min_match, int32_t rematch_tokens,
                          bool use_global, int32_t draft_levels, int32_t path_width, std::vector<int32_t> stop_tokens,
-                         int32_t budget, int64_t global_budget,
+                         int32_t budget, int64_t global_budget, int64_t shared_budget,
                          double min_probability, int32_t levels, double prior_strength, double calibration_decay,
                          int threads, bool follow) {
                  HistoryConfig h{rollouts_per_prompt, epochs_kept, max_tokens, prompt_tail};
@@ -1379,13 +1383,14 @@ PYBIND11_MODULE(_native, m) {
                  d.use_global = use_global;
                  PrefetchConfig p;
                  p.allocate = AllocateConfig{budget, global_budget, min_probability};
+                 p.shared_budget = shared_budget;
                  p.levels = levels;
                  return std::make_unique<Core>(h, d, p, prior_strength, calibration_decay, threads, follow);
              }),
              py::arg("rollouts_per_prompt"), py::arg("epochs_kept"), py::arg("max_tokens"), py::arg("prompt_tail"),
              py::arg("max_draft"), py::arg("min_confidence"), py::arg("min_match"), py::arg("rematch_tokens"),
              py::arg("use_global"), py::arg("draft_levels"), py::arg("path_width"), py::arg("stop_tokens"), py::arg("budget"), py::arg("global_budget"),
-             py::arg("min_probability"), py::arg("levels"), py::arg("prior_strength"), py::arg("calibration_decay"),
+             py::arg("shared_budget"), py::arg("min_probability"), py::arg("levels"), py::arg("prior_strength"), py::arg("calibration_decay"),
              py::arg("threads"), py::arg("follow"))
         .def("add_rollout",
              [](Core& c, const std::string& id, I32 prompt, I32 output, int64_t epoch) {

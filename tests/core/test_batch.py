@@ -306,21 +306,25 @@ def test_a_stopped_prefetch_leaves_its_drafts_to_the_next_step():
         assert core.step([h], committed, [0, len(committed)], [4]).prefetched[0]
 
 
-def outcomes_by_row(outcomes: OutcomeBatch) -> dict[int, list[tuple[int, int]]]:
-    rows: dict[int, list[tuple[int, int]]] = {}
-    for row, j, b in zip(outcomes.rows.tolist(), outcomes.accepted.tolist(), outcomes.token.tolist(), strict=True):
-        rows.setdefault(row, []).append((j, b))
+def outcomes_by_row(outcomes: OutcomeBatch) -> dict[int, list[tuple[int, int, float]]]:
+    rows: dict[int, list[tuple[int, int, float]]] = {}
+    for row, j, b, p in zip(outcomes.rows.tolist(), outcomes.accepted.tolist(), outcomes.token.tolist(),
+                            outcomes.probability.tolist(), strict=True):
+        rows.setdefault(row, []).append((j, b, p))
     return rows
 
 
-def test_a_cancelled_prefetch_keeps_each_rows_likeliest_lookups_before_any_row_looks_further():
+@pytest.mark.parametrize("shared", [False, True], ids=["per-request", "shared"])
+def test_a_cancelled_prefetch_has_made_the_likeliest_lookups_first(shared):
     """The next step cancels what the forward left no time for. Whenever that comes, each row has
-    kept a prefix of its outcomes, likeliest first, and no row has looked beyond its first 16
-    while another still lacks them: a forward too short for the budget leaves every row its
-    likeliest drafts, not some rows all of theirs and the others none."""
+    kept a prefix of its outcomes, likeliest first, and: with a budget per request, no row has
+    looked beyond its first 16 while another still lacks them; with a budget shared across the
+    batch, no outcome kept is less likely than one dropped. A forward too short for the budget
+    leaves the likeliest drafts, not some rows all of theirs and the others none."""
     trace = read_trace(next(p for p in builtin_traces() if "gsm" in p and "t0.6" in p))
+    budget = 32 if shared else 64  # shared: each row may take twice its share
     core = make_core(HistoryConfig(), DrafterConfig(stop_tokens=tuple(trace.header.eos_token_ids)),
-                     PrefetchConfig(budget=64), threads=1, native=True)
+                     PrefetchConfig(budget=budget, share_budget=shared), threads=1, native=True)
     last = max(r.epoch for r in trace.rollouts)
     for r in trace.rollouts:
         if r.epoch < last:
@@ -332,7 +336,7 @@ def test_a_cancelled_prefetch_keeps_each_rows_likeliest_lookups_before_any_row_l
     drafts = core.step(handles, [t for c in committed for t in c], offsets, [8] * len(handles))
     core.absorb(handles, now=True)
 
-    def prefetch(wait: float | None) -> dict[int, list[tuple[int, int]]]:
+    def prefetch(wait: float | None) -> dict[int, list[tuple[int, int, float]]]:
         core.prefetch(handles, drafts.tokens, drafts.offsets, drafts.probs, 8)
         if wait is None:
             return outcomes_by_row(core.collect())
@@ -340,18 +344,26 @@ def test_a_cancelled_prefetch_keeps_each_rows_likeliest_lookups_before_any_row_l
         return outcomes_by_row(core.collect(cancel=True))
 
     full = prefetch(None)
-    assert sum(map(len, full.values())) > 40 * len(handles)  # the budget is mostly used
+    total = sum(map(len, full.values()))
+    assert total > (budget if shared else 40) * len(handles) * 0.6  # the budget is mostly used
     first = {row: min(16, len(outcomes)) for row, outcomes in full.items()}
-    looked_further = 0
+    partial = 0
     for wait in [0.0002 * 1.5 ** i for i in range(24)]:
         kept = prefetch(wait)
         for row, outcomes in kept.items():
             assert outcomes == full[row][:len(outcomes)], f"row {row} kept {outcomes}, not a prefix"
-        if any(len(outcomes) > 16 for outcomes in kept.values()):
-            looked_further += sum(map(len, kept.values())) < sum(map(len, full.values()))
+        done = sum(map(len, kept.values()))
+        if shared:
+            if 0 < done < total:
+                partial += 1
+                least_kept = min(p for outcomes in kept.values() for _, _, p in outcomes)
+                dropped = [p for row, outcomes in full.items() for _, _, p in outcomes[len(kept.get(row, [])):]]
+                assert max(dropped) <= least_kept, f"kept {least_kept}, dropped {max(dropped)} (wait {wait})"
+        elif any(len(outcomes) > 16 for outcomes in kept.values()):
+            partial += done < total
             short = [row for row in full if len(kept.get(row, [])) < first[row]]
             assert not short, f"{len(short)} rows lack their first outcomes while others looked further (wait {wait})"
-    assert looked_further > 0  # some cancel came while rows were looking beyond their first 16
+    assert partial > 0  # some cancel came while the lookups were under way
     core.close()
 
 

@@ -15,6 +15,7 @@ from ngramrl.core.outcome import (
     Outcome,
     accepted_length_distribution,
     allocate,
+    allocation,
     predict_outcomes,
 )
 from ngramrl.core.prefetch import Prefetcher, ThreadLookupWorker
@@ -220,8 +221,23 @@ def test_allocation_follows_uncertainty_under_a_global_budget():
     chosen = allocate({"a": confident, "b": uncertain}, PrefetchConfig(budget=16, global_budget=6))
     assert chosen["a"] == [confident[0]]
     assert len(chosen["b"]) == 5
-    per_request = allocate({"a": confident, "b": uncertain}, PrefetchConfig(budget=2, min_probability=0.02))
+    per_request = allocate({"a": confident, "b": uncertain},
+                           PrefetchConfig(budget=2, min_probability=0.02, share_budget=False))
     assert per_request["a"] == confident[:2] and per_request["b"] == uncertain[:2]
+
+
+def test_a_shared_budget_goes_to_the_batchs_likeliest_outcomes_up_to_twice_a_share():
+    """The default: ``budget`` lookups per request on average, spent on the likeliest outcomes
+    across the batch, at most SHARE_CAP (2) x budget for one request."""
+    confident = [Outcome(0.9, 3, 5), Outcome(0.05, 0, 7), Outcome(0.01, 1, 2)]
+    uncertain = [Outcome(0.1 - 0.001 * t, 0, t) for t in range(8)]
+    chosen = allocate({"a": confident, "b": uncertain}, PrefetchConfig(budget=3))
+    assert chosen["a"] == [confident[0]] and chosen["b"] == uncertain[:5]
+    spare = allocate({"b": uncertain, "c": [], "d": []}, PrefetchConfig(budget=2))  # 6 to spend, 4 at most for b
+    assert spare["b"] == uncertain[:4] and spare["c"] == spare["d"] == []
+    assert allocation(PrefetchConfig(budget=5)) == (10, True)
+    assert allocation(PrefetchConfig(budget=5, global_budget=7)) == (5, False)  # an explicit total wins
+    assert allocation(PrefetchConfig(budget=5, share_budget=False)) == (5, False)
 
 
 def test_calibration_learns_from_outcomes_only():
