@@ -436,6 +436,7 @@ class ReferenceCore:
         if len(probs) != len(tokens):
             raise ValueError(f"{len(probs)} probabilities for {len(tokens)} draft tokens")
         config = self.prefetch_config
+        limit, _ = allocation(config)  # the outcomes enumerated per request
         needs_global = self.drafter.config.use_global and self.history.built_global_index() is None
         candidates, drafts = {}, {}
         for i, handle in enumerate(handles.tolist()):
@@ -446,7 +447,7 @@ class ReferenceCore:
             draft = Draft(tokens[begin:end].tolist(), probs[begin:end].tolist())
             drafts[handle] = (i, draft)
             candidates[handle] = predict_for(self.drafter.outcome_sources(self._caught_up(request)), draft,
-                                             self.calibration, allocation(config)[0], config.levels)
+                                             self.calibration, limit, config.levels)
         chosen = allocate(candidates, config)
         rows, accepted, emitted, chance, found = [], [], [], [], []
         self._cache = {}

@@ -76,13 +76,14 @@ def choose_outcomes(drafter: NgramDrafter, sent: list[tuple[RequestState, Draft]
     outcome model's likeliest (j, b) for each, then the budget allocator across the batch. Every
     prefetcher (asyncio, the engine's worker thread, a Ray drafter shard) plans with this."""
     candidates: dict[str, list[Outcome]] = {}
+    limit, _ = allocation(config)  # the outcomes enumerated per request
     for request, draft in sent:
         index = drafter.index(request) if request.known and config.budget else None
         if index is None:
             continue
         drafter.catch_up(request, index)
         candidates[request.request_id] = predict_for(drafter.outcome_sources(request), draft, calibration,
-                                                     allocation(config)[0], config.levels)
+                                                     limit, config.levels)
     return allocate(candidates, config)
 
 
