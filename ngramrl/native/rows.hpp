@@ -162,10 +162,12 @@ inline CutRows cut_rows(const I32& tokens, const I64& offsets, const F64& probs,
 // One Python int per token id, made at its first use and kept for the module's life (a
 // vocabulary's worth at most): ints are immutable, so the draft lists share them, and a step's
 // lists allocate no ints (at 1024 rows of 8 tokens, 8192 allocations a step, each likely to miss
-// the cache after a forward). Called with the GIL held.
+// the cache after a forward). Ids past any vocabulary get an int of their own, so a stray id
+// cannot grow the table. Called with the GIL held.
 inline PyObject* token_int(int32_t token) {
+    constexpr int32_t kShared = 1 << 22;  // above every vocabulary in use (the largest are ~256k)
     static std::vector<PyObject*> made;
-    if (token < 0) return PyLong_FromLong(token);
+    if (token < 0 || token >= kShared) return PyLong_FromLong(token);
     const size_t at = static_cast<size_t>(token);
     if (at >= made.size()) made.resize(at + 1, nullptr);
     if (made[at] == nullptr) {

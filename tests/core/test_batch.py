@@ -586,6 +586,7 @@ def test_draft_lists_give_each_row_its_draft_in_its_own_list(native_path):
     for _ in range(40):
         tokens = [rng.randrange(50_000) for _ in range(rng.randrange(0, 9))]
         drafts.append(Draft(tokens, [0.5] * len(tokens), 0, "prompt"))
+    drafts.append(Draft([2**31 - 1, 7, 2**22], [0.5] * 3, 0, "prompt"))  # ids past any vocabulary too
     batch = DraftBatch.from_drafts(drafts)
     rows = [r for r in range(len(drafts)) if drafts[r].tokens]
     positions = rng.sample(range(100), len(rows))
