@@ -21,7 +21,7 @@ sys.path.insert(0, ".")
 
 from ngramrl.bench.bench_steps import default_profile  # noqa: E402
 from ngramrl.bench.steps import build_engine, copies_for, prepare_workload, summarize_steps  # noqa: E402
-from ngramrl.config import EngineConfig, NgramRLConfig  # noqa: E402
+from ngramrl.config import EngineConfig, NgramRLConfig, PrefetchConfig  # noqa: E402
 from ngramrl.core.trace import read_trace  # noqa: E402
 
 PHASES = ("step_wait_ns", "step_absorb_ns", "step_commit_ns", "step_lookup_ns", "step_lookups")
@@ -34,11 +34,15 @@ def main() -> None:
     parser.add_argument("batch", type=int)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--method", default="ngramrl-prefetch", choices=("ngramrl", "ngramrl-prefetch"))
+    parser.add_argument("--budget", type=int, default=PrefetchConfig().budget, help="prefetch lookups per request")
+    parser.add_argument("--per-request", action="store_true",
+                        help="each request's budget its own (share_budget off), not shared across the batch")
     args = parser.parse_args()
     trace = read_trace(args.trace)
     last = max(r.epoch for r in trace.rollouts)
     workload = prepare_workload(trace, last, copies_for(trace, last, 2 * args.batch))
-    config = NgramRLConfig(engine=EngineConfig(adaptive_length=False))
+    config = NgramRLConfig(engine=EngineConfig(adaptive_length=False),
+                           prefetch=PrefetchConfig(budget=args.budget, share_budget=not args.per_request))
     engine = build_engine(args.method, workload, 8, default_profile(8), args.threads, 32 << 20, config=config)
     proposer, core = engine.proposer, engine.proposer.core
     if not core.native:
@@ -93,6 +97,10 @@ def main() -> None:
     for phase in PHASES[:-1]:
         print(f"    {phase[5:-3]:<18} {mean[phase] / 1e3:8.0f} us")
     print(f"    lookups per step   {mean['step_lookups']:8.1f}")
+    timings = core.timings()
+    if timings["plan_rows"]:  # the background's work, over the whole phase
+        print(f"  the prefetch: planning {timings['plan_ns'] / timings['plan_rows'] / 1e3:.1f} us per row, "
+              f"{timings['prefetch_lookup_ns'] / max(1, timings['prefetch_lookups']) / 1e3:.1f} us per lookup")
 
 
 if __name__ == "__main__":
