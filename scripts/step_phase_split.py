@@ -22,10 +22,13 @@ sys.path.insert(0, ".")
 from ngramrl.bench.bench_steps import default_profile  # noqa: E402
 from ngramrl.bench.steps import build_engine, copies_for, prepare_workload, summarize_steps  # noqa: E402
 from ngramrl.config import EngineConfig, NgramRLConfig, PrefetchConfig  # noqa: E402
+from ngramrl.core.batch import DraftBatch  # noqa: E402
 from ngramrl.core.trace import read_trace  # noqa: E402
+from ngramrl.engine import vllm_proposer  # noqa: E402
 
 PHASES = ("step_wait_ns", "step_absorb_ns", "step_commit_ns", "step_lookup_ns", "step_lookups")
 CALLS = ("stop", "start", "step", "lengths", "prefetch", "finish")
+GLUE = ("committed_rows", "for_target")  # vLLM's rows to the core's arrays, and the drafts to vLLM's lists
 
 
 def main() -> None:
@@ -67,6 +70,8 @@ def main() -> None:
 
     for name in CALLS:
         setattr(core, name, timed(name, getattr(core, name)))
+    vllm_proposer.committed_rows = timed("committed_rows", vllm_proposer.committed_rows)
+    DraftBatch.for_target = timed("for_target", DraftBatch.for_target)
     propose = proposer.propose
 
     def timed_propose(sampled, *a, **k):
@@ -75,7 +80,7 @@ def main() -> None:
         out = propose(sampled, *a, **k)
         if len(sampled) == args.batch:
             full["propose"].append(time.perf_counter_ns() - begin)
-            for key in (*CALLS, *PHASES):
+            for key in (*CALLS, *GLUE, *PHASES):
                 full[key].append(step_totals[key])
         return out
 
@@ -93,6 +98,8 @@ def main() -> None:
     for name in CALLS:
         print(f"    core.{name:<14} {mean[name] / 1e3:8.0f} us")
     print(f"    Python around them {(mean['propose'] - inside) / 1e3:8.0f} us")
+    print(f"      of which the rows to arrays (committed_rows) {mean['committed_rows'] / 1e3:.0f} us, "
+          f"the drafts to vLLM's lists (for_target) {mean['for_target'] / 1e3:.0f} us")
     print("  the native step's phases:")
     for phase in PHASES[:-1]:
         print(f"    {phase[5:-3]:<18} {mean[phase] / 1e3:8.0f} us")

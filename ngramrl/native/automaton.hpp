@@ -4,7 +4,7 @@
 // on ties" as the reference: the construction below follows SuffixAutomaton.extend step by step
 // (including the order children are first added, which decides ties when ranking them).
 //
-// Layout: one 28-byte record per state. A state with at most one continuation keeps it in
+// Layout: one 32-byte record per state. A state with at most one continuation keeps it in
 // best_token/best_state only (most states); a state with two or more gets a KidList: its
 // (token, target) pairs in insertion order, with a hash index once it has many.
 #pragma once
@@ -35,7 +35,9 @@ inline uint64_t next_serial() {
 
 class Automaton {
 public:
-    struct State {
+    // Half a cache line, aligned: one miss reads a state, and the estimate's walk down the suffix
+    // links learns how many continuations each level has without reading its kid list.
+    struct alignas(32) State {
         int32_t link;
         int32_t length;
         int32_t count;       // size of the end-position set
@@ -43,8 +45,9 @@ public:
         int32_t best_token;  // most frequent continuation (newest on ties)
         int32_t best_state;
         int32_t kids;        // index into kids_, or -1: at most one continuation (in best_*)
+        int32_t distinct;    // number of distinct continuations
     };
-    static_assert(sizeof(State) == 28, "compact state record");
+    static_assert(sizeof(State) == 32, "a state record is half a cache line");
 
     struct KidList {
         std::vector<std::pair<int32_t, int32_t>> items;  // (token, target), insertion order
@@ -92,7 +95,7 @@ public:
     int64_t num_tokens = 0;
     int64_t num_sequences = 0;
 
-    Automaton() : serial(next_serial()) { states_.push_back(State{-1, 0, 0, 0, NO_TOKEN, -1, -1}); }
+    Automaton() : serial(next_serial()) { states_.push_back(State{-1, 0, 0, 0, NO_TOKEN, -1, -1, 0}); }
     Automaton(const Automaton&) = delete;
     Automaton& operator=(const Automaton&) = delete;
 
@@ -104,9 +107,7 @@ public:
     // Hints for the cache (no effect on results): a state's record, and the kid lists and child
     // records the estimate reads next from a state whose record is in the cache.
     void prefetch_state(int32_t s) const {
-        const char* at = reinterpret_cast<const char*>(&states_[s]);
-        __builtin_prefetch(at);
-        __builtin_prefetch(at + sizeof(State) - 1);
+        __builtin_prefetch(&states_[s]);
     }
     void prefetch_kids(const State& s) const {
         if (s.best_state >= 0) prefetch_state(s.best_state);
@@ -125,11 +126,7 @@ public:
     }
 
     // Number of distinct continuations.
-    int32_t num_children(int32_t state) const {
-        const State& s = states_[state];
-        if (s.kids < 0) return s.best_token < 0 ? 0 : 1;
-        return static_cast<int32_t>(kids_[s.kids].items.size());
-    }
+    int32_t num_children(int32_t state) const { return states_[state].distinct; }
 
     int32_t new_sequence() {
         ++num_sequences;
@@ -258,7 +255,7 @@ private:
     mutable std::mutex rank_mutex_;
 
     int32_t new_state(int32_t length, int32_t link) {
-        states_.push_back(State{link, length, 0, 0, NO_TOKEN, -1, -1});
+        states_.push_back(State{link, length, 0, 0, NO_TOKEN, -1, -1, 0});
         return static_cast<int32_t>(states_.size()) - 1;
     }
 
@@ -270,6 +267,7 @@ private:
         dst.best_token = src.best_token;
         dst.best_state = src.best_state;
         dst.followed = src.followed;
+        dst.distinct = src.distinct;
         if (src.kids >= 0) {
             KidList copy;
             copy.items = kids_[src.kids].items;
@@ -296,6 +294,7 @@ private:
                 kl.items[at].second = target;
             } else {
                 kl.items.emplace_back(token, target);
+                s.distinct += 1;
                 if (!kl.where.empty() && 2 * kl.items.size() <= kl.where.size()) {
                     const size_t mask = kl.where.size() - 1;
                     size_t slot = slot_of(token, mask);
@@ -309,6 +308,7 @@ private:
         } else if (s.best_token < 0) {
             s.best_token = token;
             s.best_state = target;
+            s.distinct = 1;
         } else if (s.best_token == token) {
             s.best_state = target;
         } else {
@@ -318,6 +318,7 @@ private:
             kl.items.emplace_back(token, target);
             kids_.push_back(std::move(kl));
             states_[state].kids = static_cast<int32_t>(kids_.size()) - 1;
+            states_[state].distinct = 2;
         }
     }
 

@@ -101,7 +101,7 @@ public:
                         const int32_t rejected = a.child(state, exclude);
                         if (rejected >= 0) norm -= a[rejected].count;  // the level's estimate given "not exclude"
                     }
-                    read_.push_back(Level{state, static_cast<int32_t>(entries_.size()), 0, mass / static_cast<double>(norm)});
+                    read_.push_back(Level{state, static_cast<int32_t>(entries_.size()), 0, mass / static_cast<double>(norm), false});
                     if (limit == 1 && s.best_token != exclude) {
                         entries_.emplace_back(s.best_token, a[s.best_state].count);
                         add(s.best_token);
@@ -116,6 +116,7 @@ public:
                         }
                     }
                     read_.back().entries_end = static_cast<int32_t>(entries_.size());
+                    read_.back().complete = read_.back().entries_end - read_.back().entries_begin == distinct;
                     mass *= static_cast<double>(distinct) / static_cast<double>(norm);
                 }
                 if (state == ROOT) break;
@@ -144,6 +145,7 @@ public:
                 for (int32_t lv = end - 1; lv >= begin; --lv) {
                     int32_t count = known[lv];
                     if (count < 0) {
+                        if (read_[lv].complete) break;  // the ranking read every continuation: not one
                         const int32_t kid = a.child(read_[lv].state, token);
                         if (kid < 0) break;
                         count = a[kid].count;
@@ -180,6 +182,7 @@ private:
         int32_t state;
         int32_t entries_begin, entries_end;  // its ranking's (token, count) in entries_
         double scale;                        // the level's mass per occurrence
+        bool complete;                       // the ranking holds every continuation
     };
     struct Slot {
         uint32_t stamp;
@@ -255,6 +258,7 @@ public:
                 const int32_t distinct = a.num_children(state);
                 if (distinct) {
                     used += 1;
+                    a.prefetch_kids(s);  // the best continuation's record and the kid list, read next
                     const int64_t norm = static_cast<int64_t>(s.followed) + distinct;
                     read_.push_back(Level{state, s.best_token, s.best_state, mass / static_cast<double>(norm)});
                     add(s.best_token);
@@ -265,12 +269,13 @@ public:
             }
             range.end = static_cast<int32_t>(read_.size());
         }
-        token_ = -1;
-        double top_p = 0.0;
-        kids_.resize(read_.size());
-        firsts_.resize(num_sources);
-        for (int32_t token : candidates_) {
-            double p = 0.0;
+        // Each candidate's children first, their records' cache misses overlapped, then the sums.
+        const size_t levels_read = read_.size(), num_candidates = candidates_.size();
+        kids_.resize(num_candidates * levels_read);
+        firsts_.resize(num_candidates * num_sources);
+        for (size_t c = 0; c < num_candidates; ++c) {
+            const int32_t token = candidates_[c];
+            int32_t* kids = kids_.data() + c * levels_read;
             for (size_t si = 0; si < num_sources; ++si) {
                 const Automaton& a = *sources[si].index;
                 const Range& range = ranges_[si];
@@ -279,20 +284,31 @@ public:
                     const Level& level = read_[lv];
                     const int32_t kid = level.best_token == token ? level.best_state : a.child(level.state, token);
                     if (kid < 0) break;
-                    kids_[lv] = kid;
+                    a.prefetch_state(kid);
+                    kids[lv] = kid;
                     first = lv;
                 }
-                for (int32_t lv = first; lv < range.end; ++lv)
-                    p += read_[lv].scale * static_cast<double>(a[kids_[lv]].count);
-                firsts_[si] = first;
+                firsts_[c * num_sources + si] = first;
+            }
+        }
+        token_ = -1;
+        double top_p = 0.0;
+        for (size_t c = 0; c < num_candidates; ++c) {
+            const int32_t* kids = kids_.data() + c * levels_read;
+            const int32_t* firsts = firsts_.data() + c * num_sources;
+            double p = 0.0;
+            for (size_t si = 0; si < num_sources; ++si) {
+                const Automaton& a = *sources[si].index;
+                for (int32_t lv = firsts[si]; lv < ranges_[si].end; ++lv)
+                    p += read_[lv].scale * static_cast<double>(a[kids[lv]].count);
             }
             if (p > top_p) {  // the first of the largest
-                token_ = token;
+                token_ = candidates_[c];
                 top_p = p;
                 for (size_t si = 0; si < num_sources; ++si) {
                     Range& range = ranges_[si];
-                    range.first = firsts_[si];
-                    range.kid = firsts_[si] < range.end ? kids_[firsts_[si]] : -1;
+                    range.first = firsts[si];
+                    range.kid = firsts[si] < range.end ? kids[firsts[si]] : -1;
                 }
             }
         }
@@ -331,8 +347,8 @@ private:
     std::vector<Level> read_;
     std::vector<Range> ranges_;
     std::vector<int32_t> candidates_;  // in the order first met
-    std::vector<int32_t> kids_;        // per level: the candidate's child (where it is known)
-    std::vector<int32_t> firsts_;
+    std::vector<int32_t> kids_;        // per candidate and level: its child (where it is known)
+    std::vector<int32_t> firsts_;      // per candidate and source: its longest level there
     int32_t token_ = -1;
     double probability_ = 0.0;
 

@@ -159,31 +159,16 @@ inline CutRows cut_rows(const I32& tokens, const I64& offsets, const F64& probs,
     return cut;
 }
 
-// One Python int per token id, made at its first use and kept for the module's life (a
-// vocabulary's worth at most): ints are immutable, so the draft lists share them, and a step's
-// lists allocate no ints (at 1024 rows of 8 tokens, 8192 allocations a step, each likely to miss
-// the cache after a forward). Ids past any vocabulary get an int of their own, so a stray id
-// cannot grow the table. Called with the GIL held.
-inline PyObject* token_int(int32_t token) {
-    constexpr int32_t kShared = 1 << 22;  // above every vocabulary in use (the largest are ~256k)
-    static std::vector<PyObject*> made;
-    if (token < 0 || token >= kShared) return PyLong_FromLong(token);
-    const size_t at = static_cast<size_t>(token);
-    if (at >= made.size()) made.resize(at + 1, nullptr);
-    if (made[at] == nullptr) {
-        made[at] = PyLong_FromLong(token);
-        if (made[at] == nullptr) return nullptr;
-    }
-    Py_INCREF(made[at]);
-    return made[at];
-}
-
 // ``size`` lists, list positions[i] holding row rows[i] (rows == nullptr: row i) of the flat
 // tokens (a later entry for the same position wins), the others empty, each its own object (vLLM
 // trims them in place). Each list is made once, and is not tracked by Python's cycle collector:
 // lists of ints cannot be part of a cycle, and vLLM holds them past the step, so tracked they
 // would be traversed by every collection until they die (at 1024 rows the collections inside the
-// proposer's call, set off by these allocations, took about 1 ms per step).
+// proposer's call, set off by these allocations, took about 1 ms per step). Each token is a fresh
+// int: after a forward the caches are cold, and a step's fresh ints come from the allocator's pools
+// in sequence, where ints shared per token id are scattered over a vocabulary's worth of objects,
+// a cache miss per token (target_rows at 256 in flight in the step-time replay: 149 us with
+// shared ints, 63-66 us with fresh ones; docs/native.md).
 inline py::list lists_of(int64_t size, const I64& positions, const int64_t* rows, const int32_t* tok,
                          const int64_t* off, int64_t num_offsets, int64_t num_tokens, const char* where) {
     const int64_t n = positions.size();
@@ -210,7 +195,7 @@ inline py::list lists_of(int64_t size, const I64& positions, const int64_t* rows
         PyObject* list = PyList_New(end - begin);
         if (list == nullptr) throw py::error_already_set();
         for (int64_t t = begin; t < end; ++t) {
-            PyObject* value = token_int(tok[t]);
+            PyObject* value = PyLong_FromLong(tok[t]);
             if (value == nullptr) {
                 Py_DECREF(list);
                 throw py::error_already_set();
