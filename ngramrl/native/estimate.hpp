@@ -101,7 +101,8 @@ public:
                         const int32_t rejected = a.child(state, exclude);
                         if (rejected >= 0) norm -= a[rejected].count;  // the level's estimate given "not exclude"
                     }
-                    read_.push_back(Level{state, static_cast<int32_t>(entries_.size()), 0, mass / static_cast<double>(norm), false});
+                    read_.push_back(
+                        Level{state, static_cast<int32_t>(entries_.size()), 0, mass / static_cast<double>(norm), false});
                     if (limit == 1 && s.best_token != exclude) {
                         entries_.emplace_back(s.best_token, a[s.best_state].count);
                         add(s.best_token);
