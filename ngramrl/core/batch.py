@@ -138,17 +138,16 @@ class DraftBatch:
         """What goes to the target: ``truncated(lengths, vocab_size)``, its rows as vLLM's ``size``
         lists (row i in list ``positions[i]``, the others empty; ``lists``), and the tokens within
         ``lengths`` before the vocabulary cut. One C++ pass where the native core is built."""
+        native = native_module()
+        if native is not None:  # it checks and converts the arrays itself (each NumPy call costs after a forward)
+            tokens, offsets, probs, lists, kept = native.target_rows(
+                self.tokens, self.offsets, self.probs, lengths, -1 if vocab_size is None else int(vocab_size),
+                int(size), positions)
+            return DraftBatch(tokens, offsets, probs, self.matched, self.source, self.prefetched), lists, kept
         keep = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         if len(keep) != len(self) or len(positions) != len(self):
             raise ValueError(f"for_target: {len(keep)} lengths and {len(positions)} positions for {len(self)} rows")
-        native = native_module()
-        if native is not None:
-            tokens, offsets, probs, lists, kept = native.target_rows(
-                np.ascontiguousarray(self.tokens, dtype=np.int32), np.ascontiguousarray(self.offsets, dtype=np.int64),
-                np.ascontiguousarray(self.probs, dtype=np.float64), keep, -1 if vocab_size is None else int(vocab_size),
-                int(size), positions)
-            return DraftBatch(tokens, offsets, probs, self.matched, self.source, self.prefetched), lists, int(kept)
         sent = self.truncated(keep, vocab_size)
         kept = int(np.minimum(np.maximum(keep, 0), np.diff(self.offsets)).sum())
         return sent, sent.lists(size, positions, np.arange(len(self))), kept

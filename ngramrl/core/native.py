@@ -157,8 +157,7 @@ class NativeCore:
     def lengths(self, probs: Any, offsets: Any, scale: float, fit: Sequence[float], min_gain: float,
                 adaptive: bool = True, probe_tokens: int = 0) -> tuple[np.ndarray, float, bool, bool]:
         """``ngramrl.core.batch.choose_lengths`` on this core's calibration, in C++."""
-        return self._core.lengths(np.asarray(probs, dtype=np.float64), np.asarray(offsets, dtype=np.int64),
-                                  float(scale), [float(v) for v in checked_fit(fit)],
+        return self._core.lengths(probs, offsets, float(scale), [float(v) for v in checked_fit(fit)],
                                   float(min_gain), bool(adaptive), int(probe_tokens))
 
     def calibration_state(self) -> list[list[float]]:

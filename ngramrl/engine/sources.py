@@ -26,7 +26,8 @@ from ngramrl.core.batch import DraftBatch, make_core
 class StepRows:
     """This step's rows with a prompt id and committed tokens, as arrays: row i is the batch's row
     ``index[i]``, request ``req_ids[i]`` with drafting state ``requests[i]``; it committed
-    ``tokens[offsets[i]:offsets[i + 1]]`` and has room for a draft of ``ks[i]`` tokens (0: no lookup)."""
+    ``tokens[offsets[i]:offsets[i + 1]]`` and has room for a draft of ``ks[i]`` tokens (0: no lookup);
+    ``drafting`` rows have room (each NumPy call after a forward costs microseconds: counted once)."""
 
     index: np.ndarray    # int64
     req_ids: list[str]
@@ -34,6 +35,7 @@ class StepRows:
     tokens: np.ndarray   # int32
     offsets: np.ndarray  # int64, rows + 1
     ks: np.ndarray       # int32
+    drafting: int        # rows with ks > 0
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -142,10 +144,10 @@ class CoreSource:
             self.core.absorb(handles)
             return
         # The rows that looked up; the others (k = 0) have empty drafts, so the tokens stay as they are.
-        drafting = rows.ks > 0
-        if drafting.all():
+        if rows.drafting == len(rows):
             looked, offsets = handles, sent.offsets
         else:
+            drafting = rows.ks > 0
             looked = np.asarray(handles, dtype=np.int64)[drafting]
             offsets = np.append(sent.offsets[:-1][drafting], sent.offsets[-1])
         self.core.prefetch(looked, sent.tokens, offsets, sent.probs, self.k, absorb=handles)

@@ -333,7 +333,7 @@ class NgramRLProposer:
         touched_ns = self.clock() - begin  # the parts of the call where the last step's choice shows
         rows, ranks, accepted, with_room = self._rows(batch, sampled_token_ids, num_tokens_no_spec)
         self.stats.row_steps += len(rows)
-        self.stats.committed_tokens += int(rows.offsets[-1])
+        self.stats.committed_tokens += len(rows.tokens)
         self.stats.accepted_tokens += accepted
         self._delivered[0] += accepted
         if len(rows) <= self._quiet_rows // 2:  # a much smaller batch makes verifying cheaper: look again
@@ -346,13 +346,14 @@ class NgramRLProposer:
         looked = self._looks_up(self.stats.steps, len(rows))
         if not looked:
             rows.ks[:] = 0  # no draft could pay for its verification now: skip the lookups
+            rows.drafting = 0
         lookup_rows = with_room if looked else 0
         self.stats.lookup_rows += lookup_rows
         looked_up = lookup_rows > 0
         drafting = self.clock()
         made = self.source.draft(rows) if len(rows) else DraftBatch.from_drafts([])
         touched_ns += self.clock() - drafting
-        self.stats.prefetch_hits += int(made.prefetched.sum())
+        self.stats.prefetch_hits += int(np.count_nonzero(made.prefetched))
         lengths, expected, paid = self._lengths(made, exploring)
         if looked and self.config.engine.adaptive_length:
             pays = paid and self._lookups_pay(len(rows), int(lengths.sum()), expected * self._delivery())
@@ -364,8 +365,8 @@ class NgramRLProposer:
         # kernels index the vocabulary with them; -1 is its padding).
         vocab = self.vocab_size if self.vocab_size is not None else NO_VOCAB_BOUND
         sent, drafts, kept = made.for_target(lengths, vocab, len(sampled_token_ids), rows.index)  # an empty draft: []
-        verified = int(sent.offsets[-1])  # draft tokens the next forward verifies
-        self.stats.cut_tokens += int(made.offsets[-1]) - kept
+        verified = len(sent.tokens)  # draft tokens the next forward verifies
+        self.stats.cut_tokens += len(made.tokens) - kept
         self.stats.invalid_tokens += kept - verified
         self._sent = (ranks, sent.offsets)
         self.stats.drafts += sum(map(bool, drafts))
@@ -429,7 +430,7 @@ class NgramRLProposer:
             req_ids = [batch[i] for i in step.index.tolist()]
             # The core's handles are the ranks; the pool's requests are objects.
             requests = step.ranks if self.core is not None else [states[i] for i in step.index.tolist()]
-        rows = StepRows(step.index, req_ids, requests, step.tokens, step.offsets, step.ks)
+        rows = StepRows(step.index, req_ids, requests, step.tokens, step.offsets, step.ks, step.with_room)
         return rows, step.ranks, step.accepted, step.with_room
 
     def _states(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray]:
@@ -437,10 +438,14 @@ class NgramRLProposer:
         arrival rank (NO_PROMPT: a request without a prompt id). New requests are admitted here."""
         if self._batch_states is not None and self._batch_states[0] == batch:
             return self._batch_states[1:]
-        arrival = np.fromiter(map(self._arrival.get, batch, itertools.repeat(UNSEEN)), np.int64, len(batch))
-        for row in np.flatnonzero(arrival == UNSEEN).tolist():
-            self._admit(batch[row], self.runner.requests.get(batch[row]), sampled_token_ids[row])
-            arrival[row] = self._arrival[batch[row]]
+        # In Python until one array at the end: after a forward each NumPy call costs microseconds.
+        ranks = list(map(self._arrival.get, batch, itertools.repeat(UNSEEN)))
+        if UNSEEN in ranks:
+            for row, rank in enumerate(ranks):
+                if rank == UNSEEN:
+                    self._admit(batch[row], self.runner.requests.get(batch[row]), sampled_token_ids[row])
+                    ranks[row] = self._arrival[batch[row]]
+        arrival = np.array(ranks, dtype=np.int64)
         # The core's handles are the ranks (one array, passed to every step as it is).
         states = arrival if self.core is not None else [self.requests[req_id] for req_id in batch]
         self._batch_states = (batch, states, arrival)
@@ -558,11 +563,11 @@ class NgramRLProposer:
     def _retire(self, live: dict[str, Any]) -> None:
         """Requests that left the runner are finished, in the order they came: their outputs become
         rollouts of their epoch."""
-        gone = self.requests.keys() - live.keys()
+        gone = [req_id for req_id in self.requests if req_id not in live]
         if not gone:
             return
         self._batch_states = None
-        for req_id in [req_id for req_id in self.requests if req_id in gone]:
+        for req_id in gone:
             request = self.requests.pop(req_id)
             epoch = self.epochs.pop(req_id, 0)
             del self._arrival[req_id]
