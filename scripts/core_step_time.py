@@ -126,7 +126,6 @@ def run_core(path: str, batch: int, k: int, threads: int, prefetch: bool, native
         out["offpath_us_mean"] = background / 1e3 / len(step_ns)
         out["plan_us_per_request"] = spent["plan_ns"] / 1e3 / max(1, spent["plan_rows"])
         out["prefetch_lookups_per_step"] = spent["prefetch_lookups"] / len(step_ns)
-        out["prefetches_skipped"] = spent["prefetch_skipped"] / len(step_ns)  # backing off after cuts
         out["memory_bytes"] = core.memory_bytes()
         out["stored_tokens"] = core.stored_tokens
     core.close()

@@ -669,33 +669,12 @@ public:
                                   " draft tokens");
         std::vector<Request*> reqs = rows_of(handles), first;
         for (int64_t h : absorb_first) first.push_back(&get(h));
-        // A prefetch the next step stopped before any lookup (the forward was shorter than
-        // planning the batch) only took cores and cache from that step: after each such cut in a
-        // row the next 1, 2, 4, ... up to 64 prefetches only insert, then one tries again; one
-        // that gets to its lookups ends the back-off. (timings: prefetch_skipped.)
-        if (skips_left_.load() > 0) {
-            skips_left_.fetch_sub(1);
-            background_.submit([this, first] {
-                if (!first.empty()) timed_absorb(first);
-                cache_.reset(0);
-                outcomes_.clear();
-                ++prefetches_;
-                timings_["prefetch_skipped"] += 1;
-            });
-            return;
-        }
         background_.submit([this, reqs, first, tokens, offsets, probs, k] {
             if (!first.empty()) timed_absorb(first);
             cache_.reset(0);
             outcomes_.clear();
             ++prefetches_;
-            constexpr int32_t kMostDoublings = 6;  // at most 64 skipped before the next try
-            if (run_prefetch(reqs, tokens, offsets, probs, k)) {
-                skips_left_.store(int32_t{1} << std::min(wasted_in_a_row_, kMostDoublings));
-                wasted_in_a_row_ += 1;
-            } else {
-                wasted_in_a_row_ = 0;
-            }
+            run_prefetch(reqs, tokens, offsets, probs, k);
         });
     }
 
@@ -836,16 +815,13 @@ private:
     uint64_t prefetches_ = 0;   // prefetches run (the generation of Walked states)
     std::vector<Prefetched> outcomes_;
     std::atomic<bool> cancel_{false};
-    int32_t wasted_in_a_row_ = 0;         // prefetches cut before any lookup, one after another
-    std::atomic<int32_t> skips_left_{0};  // prefetches still to skip (only their inserts run)
     // Time spent in each kind of work since the core was made (ns), and the rows it covered.
     std::map<std::string, int64_t> timings_{{"step_ns", 0},         {"step_rows", 0},     {"absorb_ns", 0},
                                             {"absorb_rows", 0},     {"plan_ns", 0},       {"plan_rows", 0},
                                             {"prefetch_lookup_ns", 0}, {"prefetch_lookups", 0},
                                             {"resumed_lookups", 0}, {"step_wait_ns", 0},
                                             {"step_absorb_ns", 0},  {"step_commit_ns", 0},
-                                            {"step_lookup_ns", 0},  {"step_lookups", 0},
-                                            {"prefetch_skipped", 0}};
+                                            {"step_lookup_ns", 0},  {"step_lookups", 0}};
     Background background_;  // last: joined before the members it uses are destroyed
 
     void join() { background_.wait(); }
@@ -1247,12 +1223,11 @@ private:
         chains(sources, ks.data(), outs.data(), n, config_.chain);
     }
 
-    // Whether the prefetch was stopped before it made any lookup.
-    bool run_prefetch(const std::vector<Request*>& reqs, const Tokens& tokens, const std::vector<int64_t>& offsets,
+    void run_prefetch(const std::vector<Request*>& reqs, const Tokens& tokens, const std::vector<int64_t>& offsets,
                       const std::vector<double>& probs, int32_t k) {
         AllocateConfig alloc = prefetch_.allocate;
         Automaton* global = history_.built_global();
-        if (alloc.budget <= 0 || (config_.use_global && global == nullptr)) return false;
+        if (alloc.budget <= 0 || (config_.use_global && global == nullptr)) return;
         std::vector<int32_t> rows;
         for (size_t i = 0; i < reqs.size(); ++i)
             if (readable(*reqs[i])) rows.push_back(static_cast<int32_t>(i));  // empty drafts too: b is the next token
@@ -1320,7 +1295,7 @@ private:
                 keys[n] = r.handle;
                 predict_row(r, tokens, offsets[rows[n]], offsets[rows[n] + 1], probs, global, candidates[n]);
             });
-            if (cancelled.load()) return true;  // a budget allocated over part of the batch is not the reference's
+            if (cancelled.load()) return;  // a budget allocated over part of the batch is not the reference's
             std::vector<std::vector<OutcomeOut>> chosen;
             allocate(candidates, keys, alloc, chosen);
             const int64_t t1 = now_ns();
@@ -1366,7 +1341,6 @@ private:
         timings_["plan_rows"] += planned.load();
         timings_["prefetch_lookup_ns"] += lookup_ns.load();
         timings_["prefetch_lookups"] += static_cast<int64_t>(total);
-        return total == 0 && !rows.empty() && cancel_.load(std::memory_order_relaxed);
     }
 };
 
