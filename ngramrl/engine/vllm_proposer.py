@@ -331,7 +331,7 @@ class NgramRLProposer:
         self._last_batch = batch
         self.source.begin_step()
         touched_ns = self.clock() - begin  # the parts of the call where the last step's choice shows
-        rows, ranks, accepted, with_room = self._rows(batch, sampled_token_ids, num_tokens_no_spec)
+        rows, ranks, accepted = self._rows(batch, sampled_token_ids, num_tokens_no_spec)
         self.stats.row_steps += len(rows)
         self.stats.committed_tokens += len(rows.tokens)
         self.stats.accepted_tokens += accepted
@@ -347,7 +347,7 @@ class NgramRLProposer:
         if not looked:
             rows.ks[:] = 0  # no draft could pay for its verification now: skip the lookups
             rows.drafting = 0
-        lookup_rows = with_room if looked else 0
+        lookup_rows = rows.drafting
         self.stats.lookup_rows += lookup_rows
         looked_up = lookup_rows > 0
         drafting = self.clock()
@@ -416,11 +416,10 @@ class NgramRLProposer:
         return way
 
     def _rows(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]],
-              num_tokens_no_spec: Any) -> tuple[StepRows, np.ndarray, int, int]:
+              num_tokens_no_spec: Any) -> tuple[StepRows, np.ndarray, int]:
         """The step's rows that commit tokens for a request with a prompt id, as arrays (one
         conversion per step, not one object per row), in arrival order; with their arrival ranks,
-        the draft tokens the target accepted of what they were sent last step, and the rows with
-        room for a draft."""
+        and the draft tokens the target accepted of what they were sent last step."""
         states, arrival = self._states(batch, sampled_token_ids)
         step = committed_rows(sampled_token_ids, arrival, num_tokens_no_spec, self.max_model_len, self.k,
                               *self._sent)
@@ -431,7 +430,7 @@ class NgramRLProposer:
             # The core's handles are the ranks; the pool's requests are objects.
             requests = step.ranks if self.core is not None else [states[i] for i in step.index.tolist()]
         rows = StepRows(step.index, req_ids, requests, step.tokens, step.offsets, step.ks, step.with_room)
-        return rows, step.ranks, step.accepted, step.with_room
+        return rows, step.ranks, step.accepted
 
     def _states(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray]:
         """Each row's drafting state (the core's handles as an array; the pool's requests) and its
