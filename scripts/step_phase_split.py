@@ -1,5 +1,5 @@
 """Where the proposer's time goes at B requests in flight: one bench-steps replay (`--draft-always`,
-k = 8, the H100 Qwen3-8B roofline forward, a 32 MB pass per step) with the proposer's call and the
+k = 8, the H100 Qwen3-8B roofline forward, a 32 MB pass per step by default) with the proposer's call and the
 native core's calls timed from Python, and the core's own step split into its phases
 (`core.timings()`: waiting for the background, the inserts of pending tokens, the commits with
 the prefetch's hits, the lookups), averaged over the steps with B requests in flight
@@ -38,15 +38,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--method", default="ngramrl-prefetch", choices=("ngramrl", "ngramrl-prefetch"))
     parser.add_argument("--budget", type=int, default=PrefetchConfig().budget, help="prefetch lookups per request")
+    parser.add_argument("--flush-mb", type=float, default=32.0,
+                        help="size of the cache-polluting pass standing in for the forward (MB; 0: none)")
     parser.add_argument("--per-request", action="store_true",
                         help="each request's budget its own (share_budget off), not shared across the batch")
     args = parser.parse_args()
+    if args.flush_mb < 0:
+        raise SystemExit(f"--flush-mb must be >= 0, got {args.flush_mb}")
     trace = read_trace(args.trace)
     last = max(r.epoch for r in trace.rollouts)
     workload = prepare_workload(trace, last, copies_for(trace, last, 2 * args.batch))
     config = NgramRLConfig(engine=EngineConfig(adaptive_length=False),
                            prefetch=PrefetchConfig(budget=args.budget, share_budget=not args.per_request))
-    engine = build_engine(args.method, workload, 8, default_profile(8), args.threads, 32 << 20, config=config)
+    engine = build_engine(args.method, workload, 8, default_profile(8), args.threads, int(args.flush_mb * (1 << 20)),
+                          config=config)
     proposer, core = engine.proposer, engine.proposer.core
     if not core.native:
         raise SystemExit("the native core is not built (pip install -e . builds it)")
