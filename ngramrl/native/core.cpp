@@ -6,13 +6,14 @@
 //   - lookups and outcome predictions only read the indexes and run one chunk of rows per task,
 //   - whatever touches shared bookkeeping (the LRU order, lazy rebuilds, the layout counter)
 //     runs on the calling thread in the reference's order.
-// absorb() and prefetch() are queued to a background thread and joined by the next call, so the
-// results never depend on timing.
+// absorb() and prefetch() are queued to the first of the core's workers (the background) and
+// joined by the next call, so the results never depend on timing.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -37,41 +38,84 @@ namespace ngramrl {
 
 // -- threads ----------------------------------------------------------------------------------
 
-// A pool of threads for a step's tasks. The calling thread runs tasks too and never waits for a
-// worker that has not started: a worker that wakes late finds the tasks taken and goes back to
-// sleep, so a run takes at most what the calling thread alone would, plus the task a worker
-// holds. (On a VM a worker woken from sleep took 0.25-2 ms to start, against a step's phases of
-// 0.05-0.8 ms: a run that waited for every worker took that long.)
-class ThreadPool {
+// A spinning thread's pause: lets the core's other hardware thread (or the hypervisor) run.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+}
+
+// The core's threads: threads - 1 workers (at least one) that run background jobs (one at a
+// time, in the order submitted, on the first worker) and the tasks of runs (a step's, from the
+// calling thread, with every worker; a background job's, with the other workers, so a core stays
+// with the thread that runs the forward meanwhile).
+//
+// A run's calling thread runs tasks too and never waits for a worker that has not started: a
+// worker that comes late finds the tasks taken, so a run takes at most what the calling thread
+// alone would, plus the task a worker holds. A worker that just worked stays awake for a while
+// (kLinger), because a thread woken from sleep starts late: on a VM 0.25-2 ms, against a step's
+// phases of 0.05-0.8 ms, so a step whose workers slept ran on its calling thread alone. The work
+// comes in bursts a forward apart: the prefetch job until the step stops it, the step's runs right
+// after, the next prefetch job right after those; a worker awake from the job to the step's runs
+// and on to the next job sleeps only during what is left of a forward.
+class Workers {
 public:
-    explicit ThreadPool(int threads) : threads_(std::max(1, threads)) {
-        for (int i = 1; i < threads_; ++i) workers_.emplace_back([this] { loop(); });
+    // With one thread the background jobs still get a worker (a forward's worth of time), and
+    // runs stay on their calling thread.
+    explicit Workers(int threads) : threads_(std::max(1, threads)) {
+        for (int i = 1; i < std::max(2, threads_); ++i) workers_.emplace_back([this, i] { loop(i == 1); });
     }
-    ~ThreadPool() {
+    ~Workers() {
         {
             std::lock_guard<std::mutex> lock(mutex_);
             stop_ = true;
         }
-        start_.notify_all();
+        wake_.notify_all();
         for (auto& t : workers_) t.join();
     }
     int threads() const { return threads_; }
 
-    // fn(task) for task in [0, tasks), spread over the pool and the calling thread.
+    // Queue a background job.
+    void submit(std::function<void()> job) {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            queue_.push_back(std::move(job));
+            queued_.store(queue_.size());
+        }
+        wake_.notify_all();
+    }
+
+    // Wait for the queued jobs to finish.
+    void wait() {
+        std::unique_lock<std::mutex> lock(mutex_);
+        idle_.wait(lock, [this] { return queue_.empty() && !busy_; });
+    }
+
+    // Wait at most ``seconds`` for the queued jobs to finish; whether they had.
+    bool wait_for(double seconds) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        return idle_.wait_for(lock, std::chrono::duration<double>(std::max(0.0, seconds)),
+                              [this] { return queue_.empty() && !busy_; });
+    }
+
+    // fn(task) for task in [0, tasks), spread over the calling thread and the workers not busy.
     void run(size_t tasks, const std::function<void(size_t)>& fn) {
         if (threads_ == 1 || tasks <= 1) {
             for (size_t i = 0; i < tasks; ++i) fn(i);
             return;
         }
+        std::lock_guard<std::mutex> one_run(run_mutex_);  // callers join the background first; this is a guard
         {
             std::lock_guard<std::mutex> lock(mutex_);
             job_ = &fn;
             total_ = tasks;
             next_.store(0);
             finished_.store(0);
-            ++generation_;
+            generation_.fetch_add(1);
         }
-        start_.notify_all();
+        wake_.notify_all();
         work();
         // What is left are tasks that started on a worker, and workers leaving the run: spin for
         // them (waking this thread would cost more than they take), then end the run for late ones.
@@ -88,18 +132,22 @@ public:
     }
 
 private:
+    using Clock = std::chrono::steady_clock;
     static constexpr uint32_t kSpinsBeforeYield = 4096;  // a few microseconds of loads
+    static constexpr auto kLinger = std::chrono::milliseconds(2);
 
     const int threads_;
     std::vector<std::thread> workers_;
-    std::mutex mutex_;
-    std::condition_variable start_;
+    std::mutex mutex_, run_mutex_;
+    std::condition_variable wake_, idle_;
+    std::deque<std::function<void()>> queue_;
+    std::atomic<size_t> queued_{0};              // queue_.size(), for a spinning worker (changed under mutex_)
+    bool busy_ = false, stop_ = false;           // a job is running; the workers end
     const std::function<void(size_t)>* job_ = nullptr;  // the current run's; null once run() returns
     size_t total_ = 0;
     std::atomic<size_t> next_{0}, finished_{0};  // the run's tasks taken, and done
     std::atomic<int> working_{0};                // workers inside the current run (changed under mutex_)
-    uint64_t generation_ = 0;                    // runs started
-    bool stop_ = false;
+    std::atomic<uint64_t> generation_{0};        // runs started (changed under mutex_)
 
     void work() {
         for (size_t i = next_.fetch_add(1); i < total_; i = next_.fetch_add(1)) {
@@ -108,74 +156,44 @@ private:
         }
     }
 
-    void loop() {
+    // ``jobs``: this worker runs the background jobs.
+    void loop(bool jobs) {
         uint64_t seen = 0;
+        auto awake_until = Clock::now() + kLinger;
         std::unique_lock<std::mutex> lock(mutex_);
-        while (true) {
-            start_.wait(lock, [&] { return stop_ || generation_ != seen; });
-            if (stop_) return;
-            seen = generation_;
-            if (job_ == nullptr) continue;  // that run is over
-            ++working_;
-            lock.unlock();
-            work();
-            lock.lock();
-            --working_;
-        }
-    }
-};
-
-class Background {
-public:
-    Background() : thread_([this] { loop(); }) {}
-    ~Background() {
-        {
-            std::lock_guard<std::mutex> lock(mutex_);
-            stop_ = true;
-        }
-        wake_.notify_all();
-        thread_.join();
-    }
-    void submit(std::function<void()> job) {
-        {
-            std::lock_guard<std::mutex> lock(mutex_);
-            queue_.push_back(std::move(job));
-        }
-        wake_.notify_all();
-    }
-    void wait() {
-        std::unique_lock<std::mutex> lock(mutex_);
-        idle_.wait(lock, [this] { return queue_.empty() && !busy_; });
-    }
-    // Wait at most ``seconds`` for the queued work to finish; whether it had.
-    bool wait_for(double seconds) {
-        std::unique_lock<std::mutex> lock(mutex_);
-        return idle_.wait_for(lock, std::chrono::duration<double>(std::max(0.0, seconds)),
-                              [this] { return queue_.empty() && !busy_; });
-    }
-
-private:
-    std::mutex mutex_;
-    std::condition_variable wake_, idle_;
-    std::deque<std::function<void()>> queue_;
-    bool busy_ = false, stop_ = false;
-    std::thread thread_;
-
-    void loop() {
-        while (true) {
-            std::function<void()> job;
-            {
-                std::unique_lock<std::mutex> lock(mutex_);
-                wake_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-                if (stop_ && queue_.empty()) return;
-                job = std::move(queue_.front());
+        while (!stop_) {
+            if (generation_.load() != seen) {
+                seen = generation_.load();
+                if (job_ == nullptr) continue;  // that run is over
+                ++working_;
+                lock.unlock();
+                work();
+                lock.lock();
+                --working_;
+            } else if (jobs && !queue_.empty()) {
+                std::function<void()> job = std::move(queue_.front());
                 queue_.pop_front();
+                queued_.store(queue_.size());
                 busy_ = true;
+                lock.unlock();
+                job();
+                lock.lock();
+                busy_ = false;
+                if (queue_.empty()) idle_.notify_all();
+            } else if (Clock::now() < awake_until) {
+                lock.unlock();
+                for (uint32_t n = 1; generation_.load(std::memory_order_relaxed) == seen &&
+                                     !(jobs && queued_.load(std::memory_order_relaxed) > 0);
+                     ++n) {
+                    cpu_relax();
+                    if (n % 64 == 0 && Clock::now() >= awake_until) break;
+                }
+                lock.lock();
+                continue;
+            } else {
+                wake_.wait(lock, [&] { return stop_ || generation_.load() != seen || (jobs && !queue_.empty()); });
             }
-            job();
-            std::lock_guard<std::mutex> lock(mutex_);
-            busy_ = false;
-            if (queue_.empty()) idle_.notify_all();
+            awake_until = Clock::now() + kLinger;
         }
     }
 };
@@ -333,9 +351,9 @@ public:
          double prior_strength, double calibration_decay, int threads, bool follow)
         : history_(history), config_(drafter), prefetch_(prefetch), follow_(follow),
           calibration_(prior_strength, calibration_decay),
-          pool_(threads), background_pool_(std::max(1, threads - 1)) {}
+          workers_(threads) {}
 
-    ~Core() { background_.wait(); }
+    ~Core() { workers_.wait(); }
 
     // ---- history --------------------------------------------------------------------------
 
@@ -460,7 +478,7 @@ public:
     void finish(int64_t handle, bool has_epoch, int64_t epoch, bool linger) {
         get(handle);
         std::shared_ptr<Request> request(std::move(requests_[handle]));
-        background_.submit([this, request, has_epoch, epoch, linger] {
+        workers_.submit([this, request, has_epoch, epoch, linger] {
             Request& r = *request;
             if (r.known) {
                 absorb_one(r);
@@ -495,7 +513,7 @@ public:
                 follow_committed(*reqs[i], tokens.data() + offsets[i], static_cast<size_t>(offsets[i + 1] - offsets[i]));
         bool any_k = false;
         for (int32_t k : ks) any_k = any_k || k > 0;
-        if (any_k) absorb_rows(reqs, order, pool_);
+        if (any_k) absorb_rows(reqs, order);
         const int64_t absorbed = now_ns();
         timings_["step_absorb_ns"] += absorbed - begin;
         drafts_.resize(rows);
@@ -508,7 +526,7 @@ public:
         // commit on this thread first, in arrival order. A cross-prompt index not built yet is
         // built at the first lookup, after the commits before it (the order the build reads the
         // prompts in): then every row commits here, in arrival order.
-        const bool any_thread = pool_.threads() > 1 && (!config_.use_global || history_.built_global() != nullptr);
+        const bool any_thread = workers_.threads() > 1 && (!config_.use_global || history_.built_global() != nullptr);
         wants_lookup_.assign(rows, 0);
         Tokens committed;
         if (!any_thread) {
@@ -524,7 +542,7 @@ public:
                     done_[i] = 1;
                 }
             constexpr size_t kChunk = 64;
-            pool_.run((rows + kChunk - 1) / kChunk, [&](size_t c) {
+            workers_.run((rows + kChunk - 1) / kChunk, [&](size_t c) {
                 thread_local Tokens mine;
                 for (size_t i = c * kChunk; i < std::min(rows, (c + 1) * kChunk); ++i)
                     if (!done_[i]) commit_row(*reqs[i], i, tokens, offsets, ks[i], mine);
@@ -540,7 +558,7 @@ public:
         // Lookups read the indexes only: any row on any thread.
         constexpr size_t kChunk = 8;
         const size_t chunks = (lookups_.size() + kChunk - 1) / kChunk;
-        pool_.run(chunks, [&](size_t c) {
+        workers_.run(chunks, [&](size_t c) {
             const size_t begin = c * kChunk, end = std::min(lookups_.size(), (c + 1) * kChunk);
             thread_local std::vector<std::vector<SourceMatch>> sources;
             thread_local std::vector<int32_t> row_ks;
@@ -642,17 +660,17 @@ public:
         if (now) {
             join();
             const int64_t begin = now_ns();
-            absorb_rows(reqs, arrival_order(reqs), pool_);
+            absorb_rows(reqs, arrival_order(reqs));
             timings_["absorb_ns"] += now_ns() - begin;
             timings_["absorb_rows"] += static_cast<int64_t>(reqs.size());
             return;
         }
-        background_.submit([this, reqs] { timed_absorb(reqs); });
+        workers_.submit([this, reqs] { timed_absorb(reqs); });
     }
 
     void timed_absorb(const std::vector<Request*>& reqs) {
         const int64_t begin = now_ns();
-        absorb_rows(reqs, arrival_order(reqs), background_pool_);
+        absorb_rows(reqs, arrival_order(reqs));
         timings_["absorb_ns"] += now_ns() - begin;
         timings_["absorb_rows"] += static_cast<int64_t>(reqs.size());
     }
@@ -669,7 +687,7 @@ public:
                                   " draft tokens");
         std::vector<Request*> reqs = rows_of(handles), first;
         for (int64_t h : absorb_first) first.push_back(&get(h));
-        background_.submit([this, reqs, first, tokens, offsets, probs, k] {
+        workers_.submit([this, reqs, first, tokens, offsets, probs, k] {
             if (!first.empty()) timed_absorb(first);
             cache_.reset(0);
             outcomes_.clear();
@@ -679,7 +697,7 @@ public:
     }
 
     // Wait at most ``seconds`` for the background work (a forward's length); whether it finished.
-    bool wait_idle(double seconds) { return background_.wait_for(seconds); }
+    bool wait_idle(double seconds) { return workers_.wait_for(seconds); }
 
     // Stop (cancel: the prefetch lookups not yet started are dropped) or finish the background work.
     void stop(bool cancel) {
@@ -796,9 +814,6 @@ private:
     int64_t followed_drafts_ = 0, followed_accepted_ = 0;
     uint64_t checked_calls_ = 0;  // calls whose rows rows_of checked (each request notes the last that named it)
     Calibration calibration_;
-    ThreadPool pool_;             // a step's work: the calling thread and threads - 1 others
-    ThreadPool background_pool_;  // background work: the background thread and threads - 2 others, so
-                                  // that a core stays with the thread that runs the forward meanwhile
     std::vector<std::unique_ptr<Request>> requests_;
     std::vector<DraftOut> drafts_;
     std::vector<uint8_t> hits_, resumed_;
@@ -822,9 +837,9 @@ private:
                                             {"resumed_lookups", 0}, {"step_wait_ns", 0},
                                             {"step_absorb_ns", 0},  {"step_commit_ns", 0},
                                             {"step_lookup_ns", 0},  {"step_lookups", 0}};
-    Background background_;  // last: joined before the members it uses are destroyed
+    Workers workers_;  // last: joined before the members its jobs use are destroyed
 
-    void join() { background_.wait(); }
+    void join() { workers_.wait(); }
 
     // DraftFollower.committed
     void follow_committed(Request& r, const int32_t* tokens, size_t n) {
@@ -979,7 +994,7 @@ private:
 
     // absorb for many rows (``order``: their arrival_order): in arrival order within a prompt,
     // prompts in parallel.
-    void absorb_rows(const std::vector<Request*>& reqs, const std::vector<size_t>& order, ThreadPool& pool) {
+    void absorb_rows(const std::vector<Request*>& reqs, const std::vector<size_t>& order) {
         std::vector<std::pair<Prompt*, std::vector<Request*>>> groups;
         std::unordered_map<Prompt*, size_t> group_of;
         for (const size_t i : order) {
@@ -999,7 +1014,7 @@ private:
                 groups[it->second].second.push_back(r);
             }
         }
-        pool.run(groups.size(), [&](size_t g) {
+        workers_.run(groups.size(), [&](size_t g) {
             for (Request* r : groups[g].second) absorb_into(*r, groups[g].first);
         });
     }
@@ -1252,7 +1267,7 @@ private:
                     looked[n] = g + size;
                 }
             };
-            background_pool_.run(rows.size(), [&](size_t n) {
+            workers_.run(rows.size(), [&](size_t n) {
                 if (cancel_.load(std::memory_order_relaxed)) return;
                 const int64_t t0 = now_ns();
                 Request& r = *reqs[rows[n]];
@@ -1274,7 +1289,7 @@ private:
             std::stable_sort(more.begin(), more.end(), [&](size_t x, size_t y) {
                 return chosen[x][kFirst].probability > chosen[y][kFirst].probability;
             });
-            background_pool_.run(more.size(), [&](size_t m) {
+            workers_.run(more.size(), [&](size_t m) {
                 const int64_t t2 = now_ns();
                 look(more[m], kFirst, chosen[more[m]].size());
                 lookup_ns += now_ns() - t2;
@@ -1286,7 +1301,7 @@ private:
             std::vector<int64_t> keys(rows.size());
             std::atomic<bool> cancelled{false};
             const int64_t t0 = now_ns();
-            background_pool_.run(rows.size(), [&](size_t n) {
+            workers_.run(rows.size(), [&](size_t n) {
                 if (cancel_.load(std::memory_order_relaxed)) {
                     cancelled.store(true, std::memory_order_relaxed);
                     return;
@@ -1313,7 +1328,7 @@ private:
                              [](const Job& x, const Job& y) { return x.outcome.probability > y.outcome.probability; });
             std::vector<DraftOut> drafts(jobs.size());
             std::vector<uint8_t> done(jobs.size(), 0);
-            background_pool_.run(jobs.size(), [&](size_t jn) {
+            workers_.run(jobs.size(), [&](size_t jn) {
                 if (cancel_.load(std::memory_order_relaxed)) return;
                 const Job& job = jobs[jn];
                 lookup_outcome(*reqs[rows[job.n]], tokens, offsets[rows[job.n]], job.outcome, k, global, drafts[jn]);
