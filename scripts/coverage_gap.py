@@ -12,7 +12,8 @@ For each trace, over every warm step whose rollout goes on:
 - P(j): the outcome model's mean P(j) against how often j happened, for j = 0..5;
 - P(b | j) at the true j, by decile of the predicted probability: predicted against observed;
 - re-ranked: the best a logistic model over (log P(j), log P(b | j), j, the rank of b at its j)
-  does, fitted on the same steps it is scored on (an upper bound for recalibrating the scores);
+  does, fitted on the same steps it is scored on (an upper bound for recalibrating the scores
+  with those features);
 - known j: the budget's likeliest b at the true j (what the budget covers when j is known).
 
 Run it from a checkout (the checkout's ngramrl is imported).
