@@ -35,7 +35,7 @@ from ngramrl.bench.replay import replay  # noqa: E402
 from ngramrl.config import PrefetchConfig  # noqa: E402
 from ngramrl.core.drafter import Draft  # noqa: E402
 from ngramrl.core.estimate import advance  # noqa: E402
-from ngramrl.core.outcome import accepted_length_distribution, predict_for  # noqa: E402
+from ngramrl.core.outcome import accepted_length_distribution  # noqa: E402
 from ngramrl.core.trace import read_trace  # noqa: E402
 
 
@@ -43,8 +43,8 @@ class GapMethod(NgramRLMethod):
     """ngramrl's replay method that also keeps, per step, the predicted outcomes and the real one."""
 
     def __init__(self, budget: int, candidates: int) -> None:
-        super().__init__(prefetch=PrefetchConfig(budget=0), budgets=[budget], known_j_budget=budget)
-        self.candidates = candidates
+        # The replay's own prediction lists ``candidates`` outcomes; no lookups (prefetch budget 0).
+        super().__init__(prefetch=PrefetchConfig(budget=0), budgets=[candidates], known_j_budget=budget)
         self.steps: list[dict] = []
         self._pending: tuple | None = None
 
@@ -52,7 +52,7 @@ class GapMethod(NgramRLMethod):
         super()._predict(draft, k)
         sources = self.drafter.outcome_sources(self.request)
         p_j = accepted_length_distribution(self.calibration.chances(draft.probs))
-        outcomes = predict_for(sources, draft, self.calibration, self.candidates, self.prefetch.levels)
+        outcomes = self._outcomes  # what it predicted, likeliest first
         states = [tuple(advance(index, match, draft.tokens[:o.accepted] + [o.token]).state for index, match in sources)
                   for o in outcomes]
         self._pending = (sources, p_j, outcomes, states)
