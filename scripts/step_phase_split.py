@@ -27,7 +27,7 @@ from ngramrl.core.trace import read_trace  # noqa: E402
 from ngramrl.engine import vllm_proposer  # noqa: E402
 
 PHASES = ("step_wait_ns", "step_absorb_ns", "step_commit_ns", "step_lookup_ns", "step_lookups")
-CALLS = ("stop", "start", "step", "lengths", "prefetch", "finish")
+CALLS = ("stop", "start_many", "step", "lengths", "prefetch", "finish_many")
 GLUE = ("committed_rows", "for_target")  # vLLM's rows to the core's arrays, and the drafts to vLLM's lists
 
 

@@ -51,7 +51,7 @@ from ngramrl.core.cost import FixedStepCost, choose_draft_lengths, probe_lengths
 from ngramrl.core.drafter import EMPTY, Draft, NgramDrafter, RequestState
 from ngramrl.core.estimate import MatchState, advance
 from ngramrl.core.extension import native_module
-from ngramrl.core.history import RolloutHistory
+from ngramrl.core.history import RolloutHistory, token_ids
 from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival, allocate, allocation, predict_for
 
 SOURCES = ("none", "prompt", "global")  # DraftBatch.source codes
@@ -191,7 +191,11 @@ class DraftingCore(Protocol):
 
     def add_rollout(self, prompt_id: str, prompt: Any, output: Any, epoch: int) -> None: ...
     def start(self, prompt_id: str, prompt: Any, output: Any = (), register: bool = False) -> int: ...
+    def start_many(self, prompt_ids: Sequence[str], prompts: Sequence[Any], outputs: Sequence[Any],
+                   register: bool = False) -> list[int]: ...
     def finish(self, handle: int, epoch: int | None = None, linger: bool = False) -> None: ...
+    def finish_many(self, handles: Sequence[int], epochs: Sequence[int] | None = None,
+                    linger: bool = False) -> None: ...
     def step(self, handles: Any, tokens: Any, offsets: Any, ks: Any) -> DraftBatch: ...
     def absorb(self, handles: Any, now: bool = False) -> None: ...
     def prefetch(self, handles: Any, tokens: Any, offsets: Any, probs: Any, k: int, absorb: Any = ()) -> None: ...
@@ -302,17 +306,47 @@ class ReferenceCore:
     # -- requests --------------------------------------------------------------------------
 
     def start(self, prompt_id: str, prompt: Any, output: Any = (), register: bool = False) -> int:
-        handle = len(self._requests)
-        self._requests.append(self.drafter.start(str(handle), str(prompt_id), _ints(prompt), _ints(output),
-                                                 register=register))
-        return handle
+        return self.start_many([prompt_id], [prompt], [output], register)[0]
+
+    def start_many(self, prompt_ids: Sequence[str], prompts: Sequence[Any], outputs: Sequence[Any],
+                   register: bool = False) -> list[int]:
+        """Requests start in the order given (their handles rise with it; ``outputs``: each one's
+        tokens so far). Every request's tokens are checked before any starts."""
+        if not len(prompt_ids) == len(prompts) == len(outputs):
+            raise ValueError(f"start got {len(prompt_ids)} prompt ids, {len(prompts)} prompts and "
+                             f"{len(outputs)} outputs")
+        checked = [(token_ids(_listed(prompt), f"prompts[{i}]"), token_ids(_listed(output), f"outputs[{i}]"))
+                   for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True))]
+        handles = []
+        for prompt_id, (prompt, output) in zip(prompt_ids, checked, strict=True):
+            handles.append(len(self._requests))
+            self._requests.append(self.drafter.start(str(handles[-1]), str(prompt_id), prompt, output,
+                                                     register=register))
+        return handles
 
     def finish(self, handle: int, epoch: int | None = None, linger: bool = False) -> None:
-        request = self._request(handle)
-        self.drafter.finish(request, epoch=epoch, linger=linger)
-        if self.follower is not None:
-            self.follower.drop(int(handle))
-        self._requests[handle] = None
+        self.finish_many([handle], None if epoch is None else [epoch], linger)
+
+    def finish_many(self, handles: Sequence[int], epochs: Sequence[int] | None = None, linger: bool = False) -> None:
+        """The requests end in the order given: their outputs become rollouts of ``epochs`` (None:
+        dropped; with ``linger`` they stay in the index until the prompt's next finished rollout).
+        Every handle is checked before any request ends."""
+        handles = [int(h) for h in handles]
+        if epochs is not None and len(epochs) != len(handles):
+            raise ValueError(f"finish got {len(epochs)} epochs for {len(handles)} requests")
+        for i, handle in enumerate(handles):
+            self._request(handle)
+            if epochs is not None and (isinstance(epochs[i], bool) or int(epochs[i]) < 0):
+                raise ValueError(f"epoch must be >= 0, got {epochs[i]!r}")
+        if len(set(handles)) != len(handles):
+            twice = next(h for h in handles if handles.count(h) > 1)
+            raise ValueError(f"request handle {twice} is finished twice")
+        for i, handle in enumerate(handles):
+            self.drafter.finish(self._requests[handle], epoch=None if epochs is None else int(epochs[i]),
+                                linger=linger)
+            if self.follower is not None:
+                self.follower.drop(handle)
+            self._requests[handle] = None
 
     def known(self, handle: int) -> bool:
         return self._request(handle).known
@@ -562,6 +596,11 @@ def step_cost(fit: Sequence[float]) -> FixedStepCost:
 
 def _ints(values: Any) -> list[int]:
     return np.asarray(values, dtype=np.int64).reshape(-1).tolist() if not isinstance(values, list) else list(values)
+
+
+def _listed(values: Any) -> Any:
+    """An array's values as a list of ints (other values as they are: ``token_ids`` checks them)."""
+    return values.reshape(-1).tolist() if isinstance(values, np.ndarray) else values
 
 
 @dataclass

@@ -103,10 +103,22 @@ class NativeCore:
     # -- requests --------------------------------------------------------------------------
 
     def start(self, prompt_id: str, prompt: Any, output: Any = (), register: bool = False) -> int:
-        return self._core.start(str(prompt_id), _tokens(prompt), _tokens(output), bool(register))
+        return self.start_many([prompt_id], [prompt], [output], register)[0]
+
+    def start_many(self, prompt_ids: Sequence[str], prompts: Sequence[Any], outputs: Sequence[Any],
+                   register: bool = False) -> list[int]:
+        """``ReferenceCore.start_many``: the tokens are read from the lists (or arrays) as they are."""
+        return self._core.start([str(p) for p in prompt_ids], prompts, outputs, bool(register))
 
     def finish(self, handle: int, epoch: int | None = None, linger: bool = False) -> None:
-        self._core.finish(int(handle), epoch is not None, 0 if epoch is None else int(epoch), bool(linger))
+        self.finish_many([handle], None if epoch is None else [epoch], linger)
+
+    def finish_many(self, handles: Sequence[int], epochs: Sequence[int] | None = None, linger: bool = False) -> None:
+        """``ReferenceCore.finish_many``: one background job for all of them."""
+        if epochs is not None and any(isinstance(e, bool) for e in epochs):
+            raise ValueError(f"epochs must be integers, got {list(epochs)!r}")
+        self._core.finish([int(h) for h in handles], epochs is not None,
+                          [] if epochs is None else [int(e) for e in epochs], bool(linger))
 
     def known(self, handle: int) -> bool:
         return self._core.known(int(handle))

@@ -50,11 +50,13 @@ class DraftSource(Protocol):
     core: Any  # the drafting core in this process, or None
     offloads: bool  # whether end_step can run its work in the background or in the call (``offload``)
 
-    def start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> Any:
-        """A request with a prompt id starts (``before``: its tokens so far); returns its state."""
+    def start_many(self, req_ids: list[str], prompt_ids: list[str], prompts: list[list[int]],
+                   befores: list[list[int]]) -> list[Any]:
+        """Requests with a prompt id start, in the order given (``befores``: their tokens so far);
+        returns their states. The lists are the engine's: read, not kept."""
 
-    def finish(self, request: Any, epoch: int) -> None:
-        """The request left the engine: its output becomes a rollout of ``epoch``."""
+    def finish_many(self, requests: list[Any], epochs: list[int]) -> None:
+        """The requests left the engine, in the order given: their outputs become rollouts of their epochs."""
 
     def begin_step(self) -> None:
         """The forward that verified the last drafts is over."""
@@ -105,11 +107,12 @@ class CoreSource:
         self.k = k
         self.offloads = background
 
-    def start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> int:
-        return self.core.start(prompt_id, prompt, before, register=True)
+    def start_many(self, req_ids: list[str], prompt_ids: list[str], prompts: list[list[int]],
+                   befores: list[list[int]]) -> list[int]:
+        return self.core.start_many(prompt_ids, prompts, befores, register=True)
 
-    def finish(self, request: int, epoch: int) -> None:
-        self.core.finish(request, epoch=epoch)
+    def finish_many(self, requests: list[int], epochs: list[int]) -> None:
+        self.core.finish_many(requests, epochs)
 
     def begin_step(self) -> None:
         """Stop the prefetch (its finished lookups are kept for this step)."""

@@ -440,10 +440,10 @@ class NgramRLProposer:
         # In Python until one array at the end: after a forward each NumPy call costs microseconds.
         ranks = list(map(self._arrival.get, batch, itertools.repeat(UNSEEN)))
         if UNSEEN in ranks:
-            for row, rank in enumerate(ranks):
-                if rank == UNSEEN:
-                    self._admit(batch[row], self.runner.requests.get(batch[row]), sampled_token_ids[row])
-                    ranks[row] = self._arrival[batch[row]]
+            new = [row for row, rank in enumerate(ranks) if rank == UNSEEN]
+            self._admit([batch[row] for row in new], [sampled_token_ids[row] for row in new])
+            for row in new:
+                ranks[row] = self._arrival[batch[row]]
         arrival = np.array(ranks, dtype=np.int64)
         # The core's handles are the ranks (one array, passed to every step as it is).
         states = arrival if self.core is not None else [self.requests[req_id] for req_id in batch]
@@ -540,24 +540,33 @@ class NgramRLProposer:
         self._next_probe = step + self._probe_every
         self._resume = None
 
-    def _admit(self, req_id: str, cached: Any, sampled: list[int]) -> None:
-        """First sight of a request: start it as a live sequence of its prompt."""
-        self._arrival[req_id] = NO_PROMPT
-        params = getattr(cached, "sampling_params", None) if cached is not None else None
-        extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
-        prompt_id = extra.get("prompt_id")
-        prompt = getattr(cached, "prompt_token_ids", None) if cached is not None else None
-        if prompt_id is None or prompt is None:
+    def _admit(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """First sight of requests: each with a prompt id starts as a live sequence of its prompt
+        (one call of the source for all of them: a step admits dozens at a few hundred in flight)."""
+        starting: list[tuple[str, str, Any, list[int], int]] = []
+        for req_id, tokens in zip(req_ids, sampled, strict=True):
+            self._arrival[req_id] = NO_PROMPT
             self.requests[req_id] = None
+            cached = self.runner.requests.get(req_id)
+            params = getattr(cached, "sampling_params", None) if cached is not None else None
+            extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
+            prompt_id = extra.get("prompt_id")
+            prompt = getattr(cached, "prompt_token_ids", None) if cached is not None else None
+            if prompt_id is None or prompt is None:
+                continue
+            produced = getattr(cached, "output_token_ids", None) or []
+            before = produced[: max(0, len(produced) - len(tokens))]  # tokens from before this step
+            starting.append((req_id, str(prompt_id), prompt, before, int(extra.get("epoch", 0))))
+        if not starting:
             return
-        produced = list(getattr(cached, "output_token_ids", []) or [])
-        before = produced[: max(0, len(produced) - len(sampled))]  # tokens from before this step
-        state = self.source.start(req_id, str(prompt_id), list(prompt), before)
-        self.requests[req_id] = state
-        # the core's handles rise in the order its requests start: they serve as the ranks
-        self._arrival[req_id] = state if self.core is not None else self._arrivals
-        self._arrivals += 1
-        self.epochs[req_id] = int(extra.get("epoch", 0))
+        req_ids, prompt_ids, prompts, befores, epochs = map(list, zip(*starting, strict=True))
+        states = self.source.start_many(req_ids, prompt_ids, prompts, befores)
+        for req_id, state, epoch in zip(req_ids, states, epochs, strict=True):
+            self.requests[req_id] = state
+            # the core's handles rise in the order its requests start: they serve as the ranks
+            self._arrival[req_id] = state if self.core is not None else self._arrivals
+            self._arrivals += 1
+            self.epochs[req_id] = epoch
 
     def _retire(self, live: dict[str, Any]) -> None:
         """Requests that left the runner are finished, in the order they came: their outputs become
@@ -566,13 +575,17 @@ class NgramRLProposer:
         if not gone:
             return
         self._batch_states = None
+        ending, epochs = [], []
         for req_id in gone:
             request = self.requests.pop(req_id)
             epoch = self.epochs.pop(req_id, 0)
             del self._arrival[req_id]
             if request is not None:
-                self.source.finish(request, epoch)
-                self.stats.finished_rollouts += 1
+                ending.append(request)
+                epochs.append(epoch)
+        if ending:
+            self.source.finish_many(ending, epochs)
+            self.stats.finished_rollouts += len(ending)
 
     def stats_dict(self) -> dict[str, Any]:
         """Counters since the engine started (what the rollout metrics are made of)."""

@@ -343,6 +343,49 @@ std::vector<T> from_array(const py::array_t<T, py::array::c_style | py::array::f
     return std::vector<T>(a.data(), a.data() + a.size());
 }
 
+// The token ids of ``what``[``row``] as the engine hands them over: a NumPy array, or any sequence
+// of ints (vLLM's lists) read in place, without an array made per request. Bad values are
+// reported with their position, as the reference's ``token_ids`` does.
+Tokens token_ids(py::handle obj, const char* what, size_t row) {
+    const std::string where = std::string(what) + "[" + std::to_string(row) + "]";
+    if (py::isinstance<py::array>(obj)) {
+        auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(obj);
+        if (!a) throw py::value_error(where + " is not an array of integer token ids");
+        Tokens out(static_cast<size_t>(a.size()));
+        for (py::ssize_t i = 0; i < a.size(); ++i) {
+            const int64_t v = a.data()[i];
+            if (v < 0 || v > INT32_MAX)
+                throw py::value_error(where + "[" + std::to_string(i) + "] = " + std::to_string(v) +
+                                      (v < 0 ? " is negative (token ids are >= 0)" : " is not a 32-bit token id"));
+            out[i] = static_cast<int32_t>(v);
+        }
+        return out;
+    }
+    if (PyUnicode_Check(obj.ptr()) || PyBytes_Check(obj.ptr()) || !PySequence_Check(obj.ptr()))
+        throw py::value_error(where + " must be a sequence of token ids, got " + std::string(py::repr(obj)));
+    py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(obj.ptr(), "not a sequence"));
+    if (!seq) throw py::error_already_set();
+    const py::ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+    PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+    Tokens out(static_cast<size_t>(n));
+    for (py::ssize_t i = 0; i < n; ++i) {
+        PyObject* item = items[i];
+        const long long v = PyBool_Check(item) ? -2 : PyLong_AsLongLong(item);
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            throw py::value_error(where + "[" + std::to_string(i) + "] is not an integer token id: " +
+                                  std::string(py::repr(item)));
+        }
+        if (v == -2 && PyBool_Check(item))
+            throw py::value_error(where + "[" + std::to_string(i) + "] is not a token id: " + std::string(py::repr(item)));
+        if (v < 0 || v > INT32_MAX)
+            throw py::value_error(where + "[" + std::to_string(i) + "] = " + std::to_string(v) +
+                                  (v < 0 ? " is negative (token ids are >= 0)" : " is not a 32-bit token id"));
+        out[i] = static_cast<int32_t>(v);
+    }
+    return out;
+}
+
 // -- the core ---------------------------------------------------------------------------------
 
 class Core {
@@ -457,32 +500,57 @@ public:
 
     // ---- requests -------------------------------------------------------------------------
 
-    int64_t start(const std::string& id, const Tokens& prompt, const Tokens& output, bool register_prompt) {
+    // The requests start in the order given (their handles rise with it): one call for the
+    // requests an engine step admits, which at a few hundred in flight are a few dozen a step.
+    std::vector<int64_t> start(const std::vector<std::string>& ids, std::vector<Tokens>& prompts,
+                               std::vector<Tokens>& outputs, bool register_prompt) {
         join();
-        auto request = std::make_unique<Request>();
-        request->handle = static_cast<int64_t>(requests_.size());
-        request->prompt_id = id;
-        request->prompt = prompt;
-        request->output = output;
-        request->known = history_.begin_live(id, request->handle, request->output,
-                                             register_prompt ? &request->prompt : nullptr);
-        if (request->known) index(*request);
-        requests_.push_back(std::move(request));
-        return requests_.back()->handle;
+        std::vector<int64_t> handles(ids.size());
+        for (size_t i = 0; i < ids.size(); ++i) {
+            auto request = std::make_unique<Request>();
+            request->handle = static_cast<int64_t>(requests_.size());
+            request->prompt_id = ids[i];
+            request->prompt = std::move(prompts[i]);
+            request->output = std::move(outputs[i]);
+            request->known = history_.begin_live(ids[i], request->handle, request->output,
+                                                 register_prompt ? &request->prompt : nullptr);
+            if (request->known) index(*request);
+            handles[i] = request->handle;
+            requests_.push_back(std::move(request));
+        }
+        return handles;
     }
 
-    // The request's handle is released at once; its tokens enter the history in the background,
-    // queued behind any background work (which may still read the request), before the next call
-    // that reads the history: the work of the requests that end at a step overlaps what the caller
-    // does before that step.
-    void finish(int64_t handle, bool has_epoch, int64_t epoch, bool linger) {
-        get(handle);
-        std::shared_ptr<Request> request(std::move(requests_[handle]));
-        workers_.submit([this, request, has_epoch, epoch, linger] {
-            Request& r = *request;
-            if (r.known) {
+    // The requests' handles are released at once; their tokens enter the history in the
+    // background, in the order given, as one job queued behind any background work (which may
+    // still read them), before the next call that reads the history: the work of the requests
+    // that end at a step overlaps what the caller does before that step. Every handle is checked
+    // before any request ends.
+    void finish(const std::vector<int64_t>& handles, bool has_epoch, const std::vector<int64_t>& epochs,
+                bool linger) {
+        if (has_epoch && epochs.size() != handles.size())
+            throw py::value_error("finish got " + std::to_string(epochs.size()) + " epochs for " +
+                                  std::to_string(handles.size()) + " requests");
+        for (size_t i = 0; i < handles.size(); ++i) {
+            get(handles[i]);
+            if (has_epoch && epochs[i] < 0)
+                throw py::value_error("epoch must be >= 0, got " + std::to_string(epochs[i]));
+        }
+        std::vector<int64_t> sorted(handles);
+        std::sort(sorted.begin(), sorted.end());
+        const auto twice = std::adjacent_find(sorted.begin(), sorted.end());
+        if (twice != sorted.end())
+            throw py::value_error("request handle " + std::to_string(*twice) + " is finished twice");
+        if (handles.empty()) return;
+        std::vector<std::shared_ptr<Request>> ending;
+        ending.reserve(handles.size());
+        for (const int64_t handle : handles) ending.emplace_back(std::move(requests_[handle]));
+        workers_.submit([this, ending = std::move(ending), has_epoch, epochs, linger] {
+            for (size_t i = 0; i < ending.size(); ++i) {
+                Request& r = *ending[i];
+                if (!r.known) continue;
                 absorb_one(r);
-                history_.end_live(r.prompt_id, r.handle, has_epoch, epoch, linger);
+                history_.end_live(r.prompt_id, r.handle, has_epoch, has_epoch ? epochs[i] : 0, linger);
                 r.known = false;
             }
         });
@@ -1365,8 +1433,9 @@ using namespace ngramrl;
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
-    // What ngramrl.core.extension checks for: Core takes shared_budget (the newest interface change).
-    m.attr("prefetch_shares_budget") = true;
+    // What ngramrl.core.extension checks for: Core's start and finish take batches of requests
+    // (the newest interface change).
+    m.attr("starts_in_batches") = true;
     // xtx and xty are updated in place: an array that would need converting is refused, not copied
     m.def("step_cost_fold", &step_cost_fold, py::arg("xtx").noconvert(), py::arg("xty").noconvert(), py::arg("yty"),
           py::arg("observed"), py::arg("knees"), py::arg("decay"));
@@ -1428,10 +1497,20 @@ PYBIND11_MODULE(_native, m) {
         .def("followed", &Core::followed)
         .def("memory_bytes", &Core::memory_bytes, py::call_guard<py::gil_scoped_release>())
         .def("start",
-             [](Core& c, const std::string& id, I32 prompt, I32 output, bool register_prompt) {
-                 Tokens p = from_array(prompt), o = from_array(output);
+             [](Core& c, const std::vector<std::string>& ids, py::sequence prompts, py::sequence outputs,
+                bool register_prompt) {
+                 if (py::len(prompts) != ids.size() || py::len(outputs) != ids.size())
+                     throw py::value_error("start got " + std::to_string(ids.size()) + " prompt ids, " +
+                                           std::to_string(py::len(prompts)) + " prompts and " +
+                                           std::to_string(py::len(outputs)) + " outputs");
+                 std::vector<Tokens> p(ids.size()), o(ids.size());
+                 for (size_t i = 0; i < ids.size(); ++i) {
+                     const py::object prompt = prompts[i], output = outputs[i];
+                     p[i] = token_ids(prompt, "prompts", i);
+                     o[i] = token_ids(output, "outputs", i);
+                 }
                  py::gil_scoped_release release;
-                 return c.start(id, p, o, register_prompt);
+                 return c.start(ids, p, o, register_prompt);
              })
         .def("finish", &Core::finish, py::call_guard<py::gil_scoped_release>())
         .def("known", &Core::known)

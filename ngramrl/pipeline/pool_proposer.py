@@ -174,16 +174,20 @@ class PoolSource:
 
     # -- drafting -----------------------------------------------------------------------------
 
-    def start(self, req_id: str, prompt_id: str, prompt: list[int], before: list[int]) -> PoolRequest:
-        return PoolRequest(req_id, prompt_id, prompt, list(before), shard_of(prompt_id, len(self.handles)))
+    def start_many(self, req_ids: list[str], prompt_ids: list[str], prompts: list[list[int]],
+                   befores: list[list[int]]) -> list[PoolRequest]:
+        shards = len(self.handles)
+        return [PoolRequest(req_id, prompt_id, list(prompt), list(before), shard_of(prompt_id, shards))
+                for req_id, prompt_id, prompt, before in zip(req_ids, prompt_ids, prompts, befores, strict=True)]
 
-    def finish(self, request: PoolRequest, epoch: int) -> None:
-        finished = self.finished[request.shard]
-        finished.append(request.req_id)
-        if len(finished) > MAX_FINISHED:  # a shard down for long: the oldest ids are not worth keeping
-            del finished[:len(finished) // 2]
-        self.candidates.pop(request.req_id, None)
-        self.follower.drop(request.req_id)
+    def finish_many(self, requests: list[PoolRequest], epochs: list[int]) -> None:
+        for request in requests:
+            finished = self.finished[request.shard]
+            finished.append(request.req_id)
+            if len(finished) > MAX_FINISHED:  # a shard down for long: the oldest ids are not worth keeping
+                del finished[:len(finished) // 2]
+            self.candidates.pop(request.req_id, None)
+            self.follower.drop(request.req_id)
 
     def begin_step(self) -> None:
         """Take the prefetch answers that came back during the forward; surface failed calls. (The

@@ -104,15 +104,19 @@ def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
     epoch = 3
     counts = {"hits": 0, "drafted": 0, "outcomes": 0}
     for step in range(steps):
-        while len(live) < rng.randrange(1, 9):
+        starting = []  # the step's admissions, started in one call (siblings among them)
+        while len(live) + len(starting) < rng.randrange(1, 9):
             pid = rng.choice(list(prompts) + ["unseen"])
-            prompt = prompts.get(pid, [1, 2])
-            before = sample(rng.randrange(0, 4))
+            starting.append((pid, prompts.get(pid, [1, 2]), sample(rng.randrange(0, 4))))
+        if starting:
             register = rng.random() < 0.5
-            h = ref.start(pid, prompt, before, register)
-            assert nat.start(pid, prompt, before, register) == h
-            assert ref.known(h) == nat.known(h)
-            live[h] = (pid, list(before))
+            pids, prompts_in, befores = (list(column) for column in zip(*starting, strict=True))
+            handles = ref.start_many(pids, prompts_in, befores, register)
+            assert nat.start_many(pids, [np.array(p) if rng.random() < 0.3 else p for p in prompts_in],
+                                  befores, register) == handles
+            for h, (pid, _, before) in zip(handles, starting, strict=True):
+                assert ref.known(h) == nat.known(h)
+                live[h] = (pid, list(before))
         handles = list(live)
         rng.shuffle(handles)
         committed, ks = [], []
@@ -180,16 +184,24 @@ def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
             counts["outcomes"] += len(got)
             for row, j, b in zip(got.rows.tolist(), got.accepted.tolist(), got.token.tolist(), strict=True):
                 predicted.setdefault(sent[row], []).append(last[sent[row]][0][:j] + [b])
+        ending: dict[str, list[int]] = {}  # each way of ending, its requests in one call
         for h in list(live):
             if rng.random() < 0.12:
-                how = rng.choice(["epoch", "drop", "linger"])
-                args = {"epoch": (epoch, False), "drop": (None, False), "linger": (None, True)}[how]
-                ref.finish(h, *args)
-                nat.finish(h, *args)
+                ending.setdefault(rng.choice(["epoch", "drop", "linger"]), []).append(h)
+        for how, hs in ending.items():
+            rng.shuffle(hs)
+            epochs = [epoch + rng.randrange(2) for _ in hs] if how == "epoch" else None
+            if len(hs) == 1 and rng.random() < 0.5:
+                ref.finish(hs[0], None if epochs is None else epochs[0], how == "linger")
+                nat.finish(hs[0], None if epochs is None else epochs[0], how == "linger")
+            else:
+                ref.finish_many(hs, epochs, how == "linger")
+                nat.finish_many(hs, epochs, how == "linger")
+            for h in hs:
                 del live[h]
                 last.pop(h, None)
-                if how == "epoch" and rng.random() < 0.3:
-                    epoch += 1
+            if how == "epoch" and rng.random() < 0.3:
+                epoch += 2
         if rng.random() < 0.1:
             pid = rng.choice(list(prompts))
             out = sample(rng.randrange(1, 30), rng.choice(outputs) if outputs else None)
@@ -260,6 +272,39 @@ def test_bad_input_is_rejected_with_what_is_wrong():
             core.finish(h)
     with pytest.raises(ValueError, match="ks has"):
         as_rows([1], [1], [0, 1], [1, 2])
+
+
+def test_a_batch_of_requests_with_bad_input_starts_or_ends_none_of_them():
+    """start_many and finish_many check every request first: the error names the request and
+    the position, and nothing has started or ended."""
+    ref, nat = pair(HistoryConfig(prompt_tail=0), DrafterConfig(use_global=False), PrefetchConfig())
+    for core in (ref, nat):
+        core.add_rollout("p", [9], [1, 2, 3, 4], 0)
+        first = core.start_many(["p", "p"], [[9], [9]], [[], [1]], register=True)
+        assert first == [0, 1]
+        stored = core.stored_tokens
+        for prompts, outputs, message in (
+                ([[9], [9], [9, -3]], [[], [], []], r"prompts\[2\]\[1\] = -3 is negative"),
+                ([[9], [9], [9]], [[], [1, "x"], []], r"outputs\[1\]\[1\] is not an integer token id: 'x'"),
+                ([[9], [9], [9]], [[], [True], []], r"outputs\[1\]\[0\] is not a token id: True"),
+                ([[9], 7, [9]], [[], [], []], r"prompts\[1\] must be a sequence of token ids"),
+                ([[9], [9]], [[], [], []], "start got 3 prompt ids, 2 prompts and 3 outputs")):
+            with pytest.raises(ValueError, match=message):
+                core.start_many(["p", "p", "p"], prompts, outputs, register=True)
+        assert core.stored_tokens == stored
+        assert core.start("p", [9], [2], register=True) == 2  # no handle was taken by a failed call
+        for handles, epochs, message in (([0, 9], [1, 1], "request handle 9 is not a live request"),
+                                         ([0, 1, 0], [1, 1, 1], "request handle 0 is finished twice"),
+                                         ([0, 1], [1, -1], "epoch must be >= 0"),
+                                         ([0, 1], [1], "finish got 1 epochs for 2 requests")):
+            with pytest.raises(ValueError, match=message):
+                core.finish_many(handles, epochs)
+        assert all(core.known(h) for h in (0, 1, 2))
+        core.finish_many([2, 0], [1, 1])
+        assert core.known(1)
+        with pytest.raises(ValueError, match="not a live request"):
+            core.known(0)
+    assert ref.export() == nat.export()
 
 
 def test_prefetched_draft_is_the_synchronous_one_and_is_dropped_when_an_index_changes():
