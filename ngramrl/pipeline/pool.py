@@ -242,20 +242,24 @@ class DrafterShard:
         """Commit each request's new tokens and return its next draft (``k`` tokens at most): one
         core step for the shard's rows; their tokens enter the index right after it."""
         begin = time.perf_counter()
-        for request_id in finished:
-            self._drop(request_id)
+        self._drop(finished)
         rows: list[StepItem] = []
         lost: set[str] = set()
+        starting: dict[str, StepItem] = {}  # the step's new requests, started in one core call
         for item in items:
             if item.request_id not in self.requests:
                 if item.prompt is None:
                     lost.add(item.request_id)
                     continue
-                self.requests[item.request_id] = self.core.start(item.prompt_id, item.prompt, item.before or [],
-                                                                 register=True)
+                starting[item.request_id] = item
             else:
                 self._observe(item)
             rows.append(item)
+        if starting:
+            new = list(starting.values())
+            handles = self.core.start_many([item.prompt_id for item in new], [item.prompt for item in new],
+                                           [item.before or [] for item in new], register=True)
+            self.requests.update(zip(starting, handles, strict=True))
         drafts: dict[str, Draft] = {}
         if rows:
             handles = [self.requests[item.request_id] for item in rows]
@@ -305,11 +309,15 @@ class DrafterShard:
         self.stats.prefetch_us.append((time.perf_counter() - begin) * 1e6)
         return out
 
-    def _drop(self, request_id: str) -> None:
-        handle = self.requests.pop(request_id, None)
-        self.issued.pop(request_id, None)
-        if handle is not None:
-            self.core.finish(handle, epoch=None, linger=True)  # the driver adds the finished rollout
+    def _drop(self, request_ids: list[str]) -> None:
+        handles = []
+        for request_id in request_ids:
+            handle = self.requests.pop(request_id, None)
+            self.issued.pop(request_id, None)
+            if handle is not None:
+                handles.append(handle)
+        if handles:
+            self.core.finish_many(handles, None, linger=True)  # the driver adds the finished rollouts
 
     def lookup(self, prompt_id: str, prompt: list[int], output: list[int], k: int) -> tuple[list[int], list[float]]:
         """The draft after ``output`` from the current history, changing nothing."""

@@ -5,16 +5,17 @@ import time
 
 import pytest
 
-from ngramrl.config import EngineConfig, NgramRLConfig, PrefetchConfig
+from ngramrl.config import DrafterConfig, EngineConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.cost import FixedStepCost, StepCostModel
 from ngramrl.engine.standin import StandInRunner, standin_vllm_config
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, _cpu_list, config_to_env, prefetch_plan
 
 
 def make_proposer(monkeypatch, cost, k=4, prefetch="off", prefetch_config=None, clock=time.perf_counter_ns,
-                  **engine):
+                  drafter=None, **engine):
     monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch, **engine),
-                                                               prefetch=prefetch_config or PrefetchConfig())))
+                                                               prefetch=prefetch_config or PrefetchConfig(),
+                                                               drafter=drafter or DrafterConfig())))
     proposer = NgramRLProposer(standin_vllm_config(k, eos_token_ids=(2,), max_model_len=4096), clock=clock)
     proposer.cost = cost
     runner = StandInRunner()
@@ -234,6 +235,27 @@ def test_background_worker_adds_the_committed_tokens_during_the_forward(monkeypa
         assert proposer.core.index_shape("q")[1] == 3 + 3 + 24
         made[mode] = drafts
     assert made["on"] == made["off"]
+
+
+def test_requests_that_join_together_and_leave_together_each_draft_and_end_as_their_own(monkeypatch):
+    """A step's new requests start in one call and its leavers end in one: each request drafts
+    from its own prompt and its own earlier tokens, and each leaver becomes a rollout of its own
+    prompt and epoch."""
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), adaptive_length=False,
+                                        drafter=DrafterConfig(use_global=False))  # a prompt's history only
+    proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 102, 103, 104, 105], epoch=0)
+    proposer.core.add_rollout("q", [1, 2, 4], [100, 201, 202, 203, 204, 205], epoch=0)
+    for req_id, prompt_id, epoch in (("a", "p", 1), ("none", None, None), ("b", "q", 2), ("c", "q", 3)):
+        runner.add(req_id, prompt_id, [1, 2, 3 if prompt_id == "p" else 4], epoch=epoch)
+    runner.requests["c"].output_token_ids.extend([100, 201])  # c joins with a token from before this step
+    drafts = proposer.propose([[100], [9], [100], [201]], [10] * 4, None)
+    assert drafts == [[101, 102, 103, 104], [], [201, 202, 203, 204], [202, 203, 204, 205]]
+    for req_id in ("a", "b", "c"):
+        runner.remove(req_id)
+    proposer.propose([[9]], [10], None)
+    assert proposer.stats.finished_rollouts == 3
+    epochs = {prompt_id: sorted(epoch for epoch, _ in rollouts) for prompt_id, _, rollouts in proposer.core.export()}
+    assert epochs == {"p": [0, 1], "q": [0, 2, 3]}
 
 
 def test_a_request_that_finishes_leaves_the_others_prefetched_drafts_valid(monkeypatch):

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from ngramrl.config import NgramRLConfig, PrefetchConfig
+from ngramrl.config import DrafterConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.trace import Rollout
 from ngramrl.pipeline.pool import DrafterShard, SnapshotError, StepItem, shard_of
 
@@ -30,6 +30,23 @@ def test_shard_drafts_from_rollouts_and_live_siblings():
     reply = shard.step([StepItem("r1", "p", [6, 7], 4, verified=4), StepItem("r3", "p", [31], 4, prompt=PROMPT,
                                                                               before=[30])], [])
     assert reply[1].tokens[:2] == [32, 33]
+
+
+def test_a_steps_new_requests_start_together_each_from_its_own_prompt():
+    # Without the cross-prompt index a request drafts from its own prompt's history only.
+    shard = DrafterShard(0, NgramRLConfig(drafter=DrafterConfig(use_global=False)), stop_tokens=(99,))
+    shard.add_rollouts([("p", PROMPT, [5, 6, 7, 8, 99], 0), ("q", [7, 7], [5, 60, 61, 62, 99], 0)])
+    items = [StepItem("a", "p", [5], 4, prompt=PROMPT, before=[]), StepItem("b", "q", [5], 4, prompt=[7, 7],
+                                                                           before=[]),
+             StepItem("c", "q", [60], 4, prompt=[7, 7], before=[5])]
+    replies = shard.step(items, [])
+    assert [reply.tokens for reply in replies] == [[6, 7, 8, 99], [60, 61, 62, 99], [61, 62, 99]]
+    ending = [shard.requests["a"], shard.requests["b"]]
+    shard.step([], ["a", "b"])  # both end in one call; c goes on
+    for handle in ending:
+        with pytest.raises(ValueError, match="not a live request"):
+            shard.core.known(handle)
+    assert shard.step([StepItem("c", "q", [61], 4)], [])[0].tokens == [62, 99]
 
 
 def test_unknown_request_asks_for_its_prompt():
