@@ -599,7 +599,7 @@ def _ints(values: Any) -> list[int]:
 
 
 def _listed(values: Any) -> Any:
-    """An array's values as a list of ints (other values as they are: ``token_ids`` checks them)."""
+    """An array's values as a list (other values as they are: ``token_ids`` checks them)."""
     return values.reshape(-1).tolist() if isinstance(values, np.ndarray) else values
 
 

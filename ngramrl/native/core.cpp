@@ -349,6 +349,11 @@ std::vector<T> from_array(const py::array_t<T, py::array::c_style | py::array::f
 Tokens token_ids(py::handle obj, const char* what, size_t row) {
     const std::string where = std::string(what) + "[" + std::to_string(row) + "]";
     if (py::isinstance<py::array>(obj)) {
+        const auto array = py::reinterpret_borrow<py::array>(obj);
+        const char kind = array.dtype().kind();
+        if (array.size() > 0 && kind != 'i' && kind != 'u')  // (an empty array of any type has no bad id)
+            throw py::value_error(where + " is an array of " + std::string(py::str(array.dtype())) +
+                                  ", not of integer token ids");
         auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(obj);
         if (!a) throw py::value_error(where + " is not an array of integer token ids");
         Tokens out(static_cast<size_t>(a.size()));

@@ -288,6 +288,7 @@ def test_a_batch_of_requests_with_bad_input_starts_or_ends_none_of_them():
                 ([[9], [9], [9]], [[], [1, "x"], []], r"outputs\[1\]\[1\] is not an integer token id: 'x'"),
                 ([[9], [9], [9]], [[], [True], []], r"outputs\[1\]\[0\] is not a token id: True"),
                 ([[9], 7, [9]], [[], [], []], r"prompts\[1\] must be a sequence of token ids"),
+                ([[9], [9], np.array([9.0, 2.5])], [[], [], []], r"prompts\[2\]"),
                 ([[9], [9]], [[], [], []], "start got 3 prompt ids, 2 prompts and 3 outputs")):
             with pytest.raises(ValueError, match=message):
                 core.start_many(["p", "p", "p"], prompts, outputs, register=True)
