@@ -559,9 +559,9 @@ class NgramRLProposer:
             starting.append((req_id, str(prompt_id), prompt, before, int(extra.get("epoch", 0))))
         if not starting:
             return
-        req_ids, prompt_ids, prompts, befores, epochs = map(list, zip(*starting, strict=True))
-        states = self.source.start_many(req_ids, prompt_ids, prompts, befores)
-        for req_id, state, epoch in zip(req_ids, states, epochs, strict=True):
+        starting_ids, prompt_ids, prompts, befores, epochs = map(list, zip(*starting, strict=True))
+        states = self.source.start_many(starting_ids, prompt_ids, prompts, befores)
+        for req_id, state, epoch in zip(starting_ids, states, epochs, strict=True):
             self.requests[req_id] = state
             # the core's handles rise in the order its requests start: they serve as the ranks
             self._arrival[req_id] = state if self.core is not None else self._arrivals

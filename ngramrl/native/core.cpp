@@ -343,6 +343,14 @@ std::vector<T> from_array(const py::array_t<T, py::array::c_style | py::array::f
     return std::vector<T>(a.data(), a.data() + a.size());
 }
 
+// One token id of ``where``, at ``i``: refused unless it is a non-negative 32-bit value.
+inline int32_t checked_token(long long v, const std::string& where, py::ssize_t i) {
+    if (v < 0 || v > INT32_MAX)
+        throw py::value_error(where + "[" + std::to_string(i) + "] = " + std::to_string(v) +
+                              (v < 0 ? " is negative (token ids are >= 0)" : " is not a 32-bit token id"));
+    return static_cast<int32_t>(v);
+}
+
 // The token ids of ``what``[``row``] as the engine hands them over: a NumPy array, or any sequence
 // of ints (vLLM's lists) read in place, without an array made per request. Bad values are
 // reported with their position, as the reference's ``token_ids`` does.
@@ -357,13 +365,7 @@ Tokens token_ids(py::handle obj, const char* what, size_t row) {
         auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(obj);
         if (!a) throw py::value_error(where + " is not an array of integer token ids");
         Tokens out(static_cast<size_t>(a.size()));
-        for (py::ssize_t i = 0; i < a.size(); ++i) {
-            const int64_t v = a.data()[i];
-            if (v < 0 || v > INT32_MAX)
-                throw py::value_error(where + "[" + std::to_string(i) + "] = " + std::to_string(v) +
-                                      (v < 0 ? " is negative (token ids are >= 0)" : " is not a 32-bit token id"));
-            out[i] = static_cast<int32_t>(v);
-        }
+        for (py::ssize_t i = 0; i < a.size(); ++i) out[i] = checked_token(a.data()[i], where, i);
         return out;
     }
     if (PyUnicode_Check(obj.ptr()) || PyBytes_Check(obj.ptr()) || !PySequence_Check(obj.ptr()))
@@ -375,18 +377,15 @@ Tokens token_ids(py::handle obj, const char* what, size_t row) {
     Tokens out(static_cast<size_t>(n));
     for (py::ssize_t i = 0; i < n; ++i) {
         PyObject* item = items[i];
-        const long long v = PyBool_Check(item) ? -2 : PyLong_AsLongLong(item);
+        if (PyBool_Check(item))
+            throw py::value_error(where + "[" + std::to_string(i) + "] is not a token id: " + std::string(py::repr(item)));
+        const long long v = PyLong_AsLongLong(item);
         if (v == -1 && PyErr_Occurred()) {
             PyErr_Clear();
             throw py::value_error(where + "[" + std::to_string(i) + "] is not an integer token id: " +
                                   std::string(py::repr(item)));
         }
-        if (v == -2 && PyBool_Check(item))
-            throw py::value_error(where + "[" + std::to_string(i) + "] is not a token id: " + std::string(py::repr(item)));
-        if (v < 0 || v > INT32_MAX)
-            throw py::value_error(where + "[" + std::to_string(i) + "] = " + std::to_string(v) +
-                                  (v < 0 ? " is negative (token ids are >= 0)" : " is not a 32-bit token id"));
-        out[i] = static_cast<int32_t>(v);
+        out[i] = checked_token(v, where, i);
     }
     return out;
 }
