@@ -254,7 +254,7 @@ class ReferenceCore:
     # -- history ---------------------------------------------------------------------------
 
     def add_rollout(self, prompt_id: str, prompt: Any, output: Any, epoch: int) -> None:
-        self.history.add_rollout(prompt_id, _ints(prompt), _ints(output), int(epoch))
+        self.history.add_rollout(prompt_id, _listed(prompt), _listed(output), int(epoch))
 
     def export(self) -> list[list]:
         return self.history.export()
@@ -405,7 +405,7 @@ class ReferenceCore:
     def lookup_context(self, prompt_id: str, prompt: Any, output: Any, k: int) -> Draft:
         """The draft after ``output`` from the current history, changing nothing but an index
         build (the drafter pool's stateless lookup)."""
-        prompt, output = _ints(prompt), _ints(output)
+        prompt, output = token_ids(_listed(prompt), "prompt"), token_ids(_listed(output), "output")
         index = self.history.index_of(prompt_id)
         if index is None:
             return EMPTY
@@ -592,10 +592,6 @@ def step_cost(fit: Sequence[float]) -> FixedStepCost:
     """The step-cost model a ``StepCostModel.fit`` tuple describes."""
     *coefficients, knee = checked_fit(fit)
     return FixedStepCost(*coefficients, knee)
-
-
-def _ints(values: Any) -> list[int]:
-    return np.asarray(values, dtype=np.int64).reshape(-1).tolist() if not isinstance(values, list) else list(values)
 
 
 def _listed(values: Any) -> Any:

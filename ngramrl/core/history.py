@@ -18,6 +18,7 @@ from ngramrl.config import HistoryConfig
 from ngramrl.core.automaton import ROOT, SuffixAutomaton
 
 _INT = {int}
+MAX_TOKEN_ID = 2**31 - 1  # the native core keeps token ids in 32 bits
 
 
 def token_ids(tokens: Iterable[int], what: str) -> list[int]:
@@ -28,7 +29,7 @@ def token_ids(tokens: Iterable[int], what: str) -> list[int]:
         raise ValueError(f"{what} must be a sequence of token ids, got {tokens!r}")
     out = list(tokens)
     try:
-        if not out or (min(out) >= 0 and set(map(type, out)) <= _INT):
+        if not out or (min(out) >= 0 and max(out) <= MAX_TOKEN_ID and set(map(type, out)) <= _INT):
             return out
     except TypeError:  # not comparable with ints: reported below
         pass
@@ -41,6 +42,8 @@ def token_ids(tokens: Iterable[int], what: str) -> list[int]:
             raise ValueError(f"{what}[{position}] is not an integer token id: {token!r}") from None
         if value < 0:
             raise ValueError(f"{what}[{position}] = {value} is negative (token ids are >= 0)")
+        if value > MAX_TOKEN_ID:
+            raise ValueError(f"{what}[{position}] = {value} is not a 32-bit token id")
         out[position] = value
     return out
 

@@ -46,7 +46,7 @@ class NativeCore:
     # -- history ---------------------------------------------------------------------------
 
     def add_rollout(self, prompt_id: str, prompt: Any, output: Any, epoch: int) -> None:
-        self._core.add_rollout(str(prompt_id), _tokens(prompt), _tokens(output), int(epoch))
+        self._core.add_rollout(str(prompt_id), prompt, output, int(epoch))
 
     def export(self) -> list[list]:
         return [[prompt_id, list(prompt), [[epoch, list(tokens)] for epoch, tokens in rollouts]]
@@ -134,7 +134,7 @@ class NativeCore:
         self._core.absorb(np.ascontiguousarray(handles, dtype=np.int64).reshape(-1), bool(now))
 
     def lookup_context(self, prompt_id: str, prompt: Any, output: Any, k: int) -> Draft:
-        tokens, probs, matched, source = self._core.lookup_context(str(prompt_id), _tokens(prompt), _tokens(output),
+        tokens, probs, matched, source = self._core.lookup_context(str(prompt_id), prompt, output,
                                                                    int(k))
         return Draft(tokens, probs, matched, SOURCES[source])
 
@@ -180,7 +180,3 @@ class NativeCore:
 
     def close(self) -> None:
         self._core.stop(True)
-
-
-def _tokens(values: Any) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype=np.int32).reshape(-1)

@@ -351,11 +351,10 @@ inline int32_t checked_token(long long v, const std::string& where, py::ssize_t 
     return static_cast<int32_t>(v);
 }
 
-// The token ids of ``what``[``row``] as the engine hands them over: a NumPy array, or any sequence
-// of ints (vLLM's lists) read in place, without an array made per request. Bad values are
-// reported with their position, as the reference's ``token_ids`` does.
-Tokens token_ids(py::handle obj, const char* what, size_t row) {
-    const std::string where = std::string(what) + "[" + std::to_string(row) + "]";
+// The token ids of ``where`` as the engine hands them over: a NumPy array, or any sequence of
+// ints (vLLM's lists) read in place, without an array made per request. Bad values are reported
+// with their position, as the reference's ``token_ids`` does.
+Tokens token_ids(py::handle obj, const std::string& where) {
     if (py::isinstance<py::array>(obj)) {
         const auto array = py::reinterpret_borrow<py::array>(obj);
         const char kind = array.dtype().kind();
@@ -388,6 +387,16 @@ Tokens token_ids(py::handle obj, const char* what, size_t row) {
         out[i] = checked_token(v, where, i);
     }
     return out;
+}
+
+// token_ids of ``what``[``row``]: one request's tokens of a batch.
+Tokens token_ids(py::handle obj, const char* what, size_t row) {
+    return token_ids(obj, std::string(what) + "[" + std::to_string(row) + "]");
+}
+
+inline int64_t checked_epoch(int64_t epoch, const std::string& what) {
+    if (epoch < 0) throw py::value_error(what + " must be an integer >= 0, got " + std::to_string(epoch));
+    return epoch;
 }
 
 // -- the core ---------------------------------------------------------------------------------
@@ -1437,9 +1446,9 @@ using namespace ngramrl;
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
-    // What ngramrl.core.extension checks for: Core's start and finish take batches of requests
-    // (the newest interface change).
-    m.attr("starts_in_batches") = true;
+    // What ngramrl.core.extension checks for: Core's add_rollout and lookup_context check their
+    // token ids as start does (the newest interface change).
+    m.attr("checks_rollout_tokens") = true;
     // xtx and xty are updated in place: an array that would need converting is refused, not copied
     m.def("step_cost_fold", &step_cost_fold, py::arg("xtx").noconvert(), py::arg("xty").noconvert(), py::arg("yty"),
           py::arg("observed"), py::arg("knees"), py::arg("decay"));
@@ -1481,8 +1490,9 @@ PYBIND11_MODULE(_native, m) {
              py::arg("shared_budget"), py::arg("min_probability"), py::arg("levels"), py::arg("prior_strength"), py::arg("calibration_decay"),
              py::arg("threads"), py::arg("follow"))
         .def("add_rollout",
-             [](Core& c, const std::string& id, I32 prompt, I32 output, int64_t epoch) {
-                 Tokens p = from_array(prompt), o = from_array(output);
+             [](Core& c, const std::string& id, py::handle prompt, py::handle output, int64_t epoch) {
+                 Tokens p = token_ids(prompt, "prompt"), o = token_ids(output, "output");
+                 checked_epoch(epoch, "epoch");
                  py::gil_scoped_release release;
                  c.add_rollout(id, p, o, epoch);
              })
@@ -1584,7 +1594,7 @@ PYBIND11_MODULE(_native, m) {
         .def("calibration_state", &Core::calibration_state)
         .def("load_calibration_state", &Core::load_calibration_state)
         .def("lookup_context",
-             [](Core& c, const std::string& id, I32 prompt, I32 output, int32_t k) {
-                 return c.lookup_context(id, from_array(prompt), from_array(output), k);
+             [](Core& c, const std::string& id, py::handle prompt, py::handle output, int32_t k) {
+                 return c.lookup_context(id, token_ids(prompt, "prompt"), token_ids(output, "output"), k);
              });
 }

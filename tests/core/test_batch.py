@@ -308,6 +308,35 @@ def test_a_batch_of_requests_with_bad_input_starts_or_ends_none_of_them():
     assert ref.export() == nat.export()
 
 
+@pytest.mark.parametrize("bad, message", [
+    ([3, -1], r"output\[1\] = -1 is negative"),
+    ([3, 2**31], r"output\[1\] = 2147483648 is not a 32-bit token id"),
+    ([3, 2.5], r"output\[1\] is not an integer token id: 2.5"),
+    ([[3, 4]], r"output\[0\] is not an integer token id: \[3, 4\]"),
+    (np.array([3.0, 4.0]), r"output"),
+    (np.array([True]), r"output"),
+    ("34", r"output must be a sequence of token ids"),
+])
+def test_a_rollout_or_context_with_bad_tokens_is_refused_and_nothing_is_stored(bad, message):
+    """add_rollout and lookup_context take the same token ids as start: a float array is refused
+    (it was cast, 2.5 -> 2), a value out of 32 bits named, and a refused rollout stores nothing."""
+    ref, nat = pair(HistoryConfig(prompt_tail=0), DrafterConfig(use_global=False), PrefetchConfig())
+    for core in (ref, nat):
+        core.add_rollout("p", [9], [1, 2, 3, 4], 0)
+        stored = core.stored_tokens
+        with pytest.raises(ValueError, match=message):
+            core.add_rollout("p", [9], bad, 1)
+        with pytest.raises(ValueError, match=message.replace("output", "prompt")):
+            core.add_rollout("q", bad, [1, 2], 1)
+        with pytest.raises(ValueError, match=message):
+            core.lookup_context("p", [9], bad, 4)
+        with pytest.raises(ValueError, match="epoch must be an integer >= 0"):
+            core.add_rollout("p", [9], [1], -1)
+        assert core.stored_tokens == stored and core.rollout_count("p") == 1 and core.rollout_count("q") == 0
+        assert core.lookup_context("p", np.array([9], dtype=np.uint16), (1, 2), 4).tokens == [3, 4]
+    assert ref.export() == nat.export()
+
+
 def test_prefetched_draft_is_the_synchronous_one_and_is_dropped_when_an_index_changes():
     for core in pair(HistoryConfig(prompt_tail=0), DrafterConfig(use_global=False), PrefetchConfig(budget=4)):
         core.add_rollout("p", [9], [1, 2, 3, 4, 5, 6], 0)
