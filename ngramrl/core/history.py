@@ -54,6 +54,13 @@ def _epoch(epoch: int, what: str) -> int:
     return epoch
 
 
+def checked_rollout(prompt: Iterable[int], output: Iterable[int], epoch: int,
+                    what: str = "") -> tuple[list[int], list[int], int]:
+    """A finished rollout's prompt, output and epoch as ``add_rollout`` stores them, or a
+    ValueError that names the bad one (after ``what``, e.g. ``rollouts[3] ``) and its position."""
+    return (token_ids(prompt, f"{what}prompt"), token_ids(output, f"{what}output"), _epoch(epoch, f"{what}epoch"))
+
+
 @dataclass
 class _StoredRollout:
     epoch: int
@@ -113,9 +120,9 @@ class RolloutHistory:
 
     def add_rollout(self, prompt_id: str, prompt: list[int], output: list[int], epoch: int = 0) -> None:
         """Record a finished rollout; it becomes a draft source for every later request of this prompt."""
-        prompt, output = token_ids(prompt, "prompt"), token_ids(output, "output")
+        prompt, output, epoch = checked_rollout(prompt, output, epoch)
         entry = self._entry(prompt_id, prompt)
-        self._store(entry, _epoch(epoch, "epoch"), output, index_it=True)
+        self._store(entry, epoch, output, index_it=True)
 
     def _entry(self, prompt_id: str, prompt: list[int]) -> PromptHistory:
         entry = self._prompts.get(prompt_id)

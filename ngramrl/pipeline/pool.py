@@ -28,7 +28,7 @@ import numpy as np
 from ngramrl.config import DrafterConfig, NgramRLConfig
 from ngramrl.core.batch import DraftBatch, make_core
 from ngramrl.core.drafter import Draft
-from ngramrl.core.history import RolloutHistory
+from ngramrl.core.history import RolloutHistory, checked_rollout
 from ngramrl.core.trace import Rollout
 from ngramrl.pipeline.journal import RolloutJournal
 
@@ -160,7 +160,11 @@ class DrafterShard:
 
     def add_rollouts(self, rollouts: list[tuple[str, list[int], list[int], int]]) -> int:
         """Finished rollouts (prompt_id, prompt, output, epoch) enter the history (and the journal
-        first)."""
+        first). Every one is checked first: a bad one is refused with its place in the list, and
+        nothing of the call is journaled or taken (a journaled bad rollout would fail every
+        rebuild of the shard)."""
+        rollouts = [(str(prompt_id), *checked_rollout(prompt, output, epoch, f"rollouts[{i}] "))
+                    for i, (prompt_id, prompt, output, epoch) in enumerate(rollouts)]
         if self.journal is not None:
             self.journal.append(rollouts)
         return self._take(rollouts)
@@ -390,9 +394,12 @@ class DrafterPool:
         return PoolSettings(self.names, self.namespace, address, self.draft_timeout_ms)
 
     def add_rollouts(self, rollouts: list[Rollout]) -> None:
+        """The rollouts go to their prompts' shards; every one is checked before any is sent (a
+        shard refusing one would look like a shard that died)."""
         by_shard: list[list[tuple[str, list[int], list[int], int]]] = [[] for _ in self.names]
         for rollout in rollouts:
-            record = (rollout.prompt_id, list(rollout.prompt), list(rollout.output), rollout.epoch)
+            where = f"rollout of prompt {rollout.prompt_id!r} (epoch {rollout.epoch}, sample {rollout.sample}) "
+            record = (rollout.prompt_id, *checked_rollout(rollout.prompt, rollout.output, rollout.epoch, where))
             by_shard[shard_of(rollout.prompt_id, len(self.names))].append(record)
         refs = []
         for index, records in enumerate(by_shard):

@@ -49,6 +49,24 @@ def test_a_steps_new_requests_start_together_each_from_its_own_prompt():
     assert shard.step([StepItem("c", "q", [61], 4)], [])[0].tokens == [62, 99]
 
 
+@pytest.mark.parametrize("bad, message", [
+    (("q", [7], [5, -2], 0), r"rollouts\[1\] output\[1\] = -2 is negative"),
+    (("q", [7], [5, 6], -1), r"rollouts\[1\] epoch must be an integer >= 0"),
+    (("q", [7.5], [5, 6], 0), r"rollouts\[1\] prompt\[0\] is not an integer token id: 7.5"),
+])
+def test_a_call_with_a_bad_rollout_takes_and_journals_none_of_it(tmp_path, bad, message):
+    """A bad rollout is refused with its place before anything is journaled: a journaled one
+    would fail every rebuild of the shard from its journal."""
+    journal = str(tmp_path / "shard.journal.jsonl")
+    shard = DrafterShard(0, NgramRLConfig(), stop_tokens=(99,), journal=journal)
+    shard.add_rollouts([("p", PROMPT, REPEAT + [99], 0)])
+    with pytest.raises(ValueError, match=message):
+        shard.add_rollouts([("p", PROMPT, REPEAT[:4] + [20, 99], 0), bad])
+    assert shard.core.rollout_count("p") == 1 and shard.stats.rollouts == 1
+    rebuilt = DrafterShard(0, NgramRLConfig(), stop_tokens=(99,), journal=journal)
+    assert rebuilt.replay_journal() == 1 and rebuilt.core.export() == shard.core.export()
+
+
 def test_unknown_request_asks_for_its_prompt():
     shard = shard_with_history()
     reply = shard.step([StepItem("ghost", "p", [5], 4)], [])[0]
@@ -194,6 +212,9 @@ def test_pool_rebuilds_a_killed_shard_and_restores_saved_state(local_ray, tmp_pa
     pool = DrafterPool(3, NgramRLConfig(), (99,), namespace="ngramrl-test-pool", snapshot_dir=str(tmp_path / "pool"),
                        name_prefix="t1", num_cpus=0)
     try:
+        bad = Rollout("p9", 0, 3, [1, 2], [5, -1])
+        with pytest.raises(ValueError, match=r"rollout of prompt 'p9' \(epoch 0, sample 3\) output\[1\] = -1"):
+            pool.add_rollouts([*rollouts(0), bad])  # refused before any is sent
         pool.add_rollouts(rollouts(0))
         pool.save()
         pool.add_rollouts(rollouts(1))  # after the save: replayed on a rebuild
