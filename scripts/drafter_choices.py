@@ -8,10 +8,12 @@ cross-prompt index, tree widths).
 
 Each variant is a comma-separated list of DrafterConfig fields (``key=value``); a variant that
 starts with ``tree:`` replays ``ngramrl-tree`` with ``width`` paths (other keys are DrafterConfig
-fields); ``longest-match:`` (fields may follow) replays the rule the continuation estimate
-replaced, as the comparison's baseline: follow the most frequent continuation of the longest
-suffix that has one, from the cross-prompt index instead when it matches a longer suffix
-(``LongestMatchDrafter``). The baseline is the default chain and the default tree (width 4).
+fields), ``tree-estimates:`` the same tree grown on the raw estimates instead of the acceptance
+chances calibrated on the trees verified before; ``longest-match:`` (fields may follow) replays
+the rule the continuation estimate replaced, as the comparison's baseline: follow the most
+frequent continuation of the longest suffix that has one, from the cross-prompt index instead
+when it matches a longer suffix (``LongestMatchDrafter``). The baseline is the default chain and
+the default tree (width 4).
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ class LongestMatchDrafter(NgramDrafter):
 
 def parse_variant(text: str) -> tuple[str, int | None, dict]:
     """'tree:width=8,levels=2' -> ("tree", 8, {"levels": 2}); 'path_width=2' -> ("chain", None, {...});
-    'longest-match:' -> ("longest-match", None, {})."""
-    if text.startswith(("tree:", "longest-match:")):
+    'longest-match:' -> ("longest-match", None, {}); 'tree-estimates:width=4' -> ("tree-estimates", 4, {})."""
+    if text.startswith(("tree:", "tree-estimates:", "longest-match:")):
         kind, _, rest = text.partition(":")
     else:
         kind, rest = "chain", text
@@ -90,7 +92,7 @@ def parse_variant(text: str) -> tuple[str, int | None, dict]:
         parsed = {"true": True, "false": False}.get(value.lower(), value)
         if isinstance(parsed, str):
             parsed = float(value) if "." in value else int(value)
-        if kind == "tree" and key == "width":
+        if kind.startswith("tree") and key == "width":
             width = int(parsed)
         elif key in DrafterConfig.__dataclass_fields__:
             fields[key] = parsed
@@ -115,14 +117,14 @@ def main() -> None:
             defaults: dict[str, float] = {}  # the default chain's and tree's tokens per forward (replayed first)
             for kind, width, fields in variants:
                 drafter = drafter_for(trace, DrafterConfig(**fields))
-                method = (NgramRLTreeMethod(drafter=drafter, width=width) if kind == "tree"
-                          else NgramRLMethod(drafter=drafter))
+                method = (NgramRLTreeMethod(drafter=drafter, width=width, calibrated=kind == "tree")
+                          if kind.startswith("tree") else NgramRLMethod(drafter=drafter))
                 if kind == "longest-match":
                     method.drafter = LongestMatchDrafter(method.history, drafter)
                 value = replay(trace, method, k).tokens_per_forward
-                baseline = "tree" if kind == "tree" else "chain"
+                baseline = "tree" if kind.startswith("tree") else "chain"
                 defaults.setdefault(baseline, value)
-                label = kind + (f" width={width}" if kind == "tree" else "") + "".join(
+                label = kind + (f" width={width}" if kind.startswith("tree") else "") + "".join(
                     f" {key}={field}" for key, field in fields.items())
                 rows.append({"trace": os.path.basename(path), "variant": label, "k": k,
                              "tokens_per_forward": round(value, 4),

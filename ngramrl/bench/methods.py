@@ -20,7 +20,7 @@ from ngramrl.core.estimate import MatchState, advance, continuation_estimates, s
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, predict_for
 from ngramrl.core.trace import Rollout
-from ngramrl.core.tree import DraftTree
+from ngramrl.core.tree import ROOT_NODE, DraftTree
 
 
 class _BigramHistory:
@@ -309,24 +309,48 @@ class NgramRLMethod:
 
 class NgramRLTreeMethod(NgramRLMethod):
     """ngramrl's draft trees: at most k tokens in at most ``width`` root-to-leaf paths, grown
-    best-first by estimated path probability (docs/drafter.md); a tree of k tokens costs what a
-    chain of k tokens costs to verify."""
+    best-first by path probability (docs/drafter.md); a tree of k tokens costs what a chain of k
+    tokens costs to verify. ``calibrated``: the path probabilities multiply the acceptance chances
+    learned from the trees verified so far (by depth and estimate), else the raw estimates."""
 
     name = "ngramrl-tree"
 
     def __init__(self, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
-                 width: int = 4) -> None:
+                 width: int = 4, calibrated: bool = True) -> None:
         super().__init__(history, drafter)
         if width < 1:
             raise ValueError(f"--tree-width must be >= 1, got {width}")
         self.width = width
+        self.calibrated = calibrated
+        self._tree: DraftTree | None = None
 
     def propose(self, k: int) -> DraftTree:  # type: ignore[override]
         assert self.request is not None
-        tree = self.drafter.lookup_tree(self.request, k, self.width)
+        tree = self.drafter.lookup_tree(self.request, k, self.width,
+                                        chance=self.calibration.chance if self.calibrated else None)
         self.drafter.absorb(self.request)
         self.last_draft = None
+        self._tree = tree
         return tree
+
+    def commit(self, tokens: list[int]) -> None:
+        """Every child of the nodes verification reached (the context, then each accepted node)
+        says whether an estimate like its own was accepted at its depth."""
+        tree = self._tree
+        if tree is not None:
+            parent = ROOT_NODE
+            for depth, token in enumerate(tokens):
+                taken = ROOT_NODE
+                for child in tree.children(parent):
+                    accepted = tree.tokens[child] == token
+                    self.calibration.observe_token(depth, tree.probs[child], accepted)
+                    if accepted:
+                        taken = child
+                if taken == ROOT_NODE:
+                    break
+                parent = taken
+            self._tree = None
+        super().commit(tokens)
 
     def background(self) -> None:
         pass

@@ -30,7 +30,7 @@ from ngramrl.config import DrafterConfig
 from ngramrl.core.automaton import SuffixAutomaton
 from ngramrl.core.estimate import MatchState, Source, advance
 from ngramrl.core.history import RolloutHistory, token_ids
-from ngramrl.core.tree import DraftTree, choose_path, extend_path, grow_tree
+from ngramrl.core.tree import Chance, DraftTree, choose_path, extend_path, grow_tree
 
 
 @dataclass
@@ -228,15 +228,16 @@ class NgramDrafter:
         sources = self.sources(request, after, at)
         return self.chain(sources, k) if sources else EMPTY
 
-    def lookup_tree(self, request: RequestState, k: int, width: int, after: list[int] | None = None) -> DraftTree:
+    def lookup_tree(self, request: RequestState, k: int, width: int, after: list[int] | None = None,
+                    chance: Chance | None = None) -> DraftTree:
         """A draft tree of at most ``k`` tokens and ``width`` root-to-leaf paths for the current
-        context followed by ``after``, without changing the request."""
+        context followed by ``after``, without changing the request (``chance``: as ``grow_tree``'s)."""
         sources = self.sources(request, after) if k > 0 else []
         if not sources:
             return DraftTree()
         config = self.config
         tree, _ = grow_tree(sources, k, width, config.levels, config.min_match, config.min_confidence,
-                            config.stop_tokens)
+                            config.stop_tokens, chance)
         tree.matched = sources[0][1].matched
         return tree
 

@@ -80,11 +80,14 @@ class AcceptanceCalibration:
 
     def observe(self, probs: list[float], accepted: int) -> None:
         """Learn from one verified draft: positions < accepted were accepted, position accepted was not."""
-        decay = self.decay
         for position, estimate in enumerate(probs[:accepted + 1]):
-            cell = self._table.setdefault((_position_bucket(position), min(9, int(estimate * 10))), [0.0, 0.0])
-            cell[0] = decay * cell[0] + (position < accepted)
-            cell[1] = decay * cell[1] + 1
+            self.observe_token(position, estimate, position < accepted)
+
+    def observe_token(self, position: int, estimate: float, accepted: bool) -> None:
+        """Learn from one draft token whose path up to it was accepted: was it accepted too."""
+        cell = self._table.setdefault((_position_bucket(position), min(9, int(estimate * 10))), [0.0, 0.0])
+        cell[0] = self.decay * cell[0] + accepted
+        cell[1] = self.decay * cell[1] + 1
 
 
 class DraftFollower:

@@ -23,7 +23,7 @@ length from a tree, and ``extend_path`` continues it with the likeliest token at
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from ngramrl.core.estimate import Source, continuation_estimates, step_sources
@@ -75,8 +75,12 @@ class DraftTree:
         return accepted
 
 
+Chance = Callable[[int, float], float]  # (depth, estimate) -> the chance the token is accepted there
+
+
 def grow_tree(sources: list[Source], size: int, width: int, levels: int, min_length: int = 1,
-              floor: float = 0.0, stops: Collection[int] = ()) -> tuple[DraftTree, list[list[Source]]]:
+              floor: float = 0.0, stops: Collection[int] = (),
+              chance: Chance | None = None) -> tuple[DraftTree, list[list[Source]]]:
     """The best-first tree of at most ``size`` nodes and ``width`` root-to-leaf paths from the
     context whose match states are ``sources``; also each node's match states.
 
@@ -85,18 +89,23 @@ def grow_tree(sources: list[Source], size: int, width: int, levels: int, min_len
     added then). The candidate of highest path probability is added next, ties going to the one
     proposed first; a candidate that would open a path beyond ``width`` is dropped. Growth stops
     at ``size`` nodes, when no candidate is left, or when the best one's path probability is
-    below ``floor``. A node whose token is in ``stops`` (end of sequence) gets no children."""
+    below ``floor``. A node whose token is in ``stops`` (end of sequence) gets no children.
+    ``chance``: path probabilities multiply the chance each estimate is accepted at its depth
+    (``AcceptanceCalibration.chance``: what verification showed of such estimates) instead of the
+    estimate itself; the nodes keep their estimates in ``probs``."""
     tree = DraftTree()
     node_sources: list[list[Source]] = []
     if size <= 0 or width <= 0:
         return tree, node_sources
     heap: list[tuple[float, int, int, int, float]] = []  # (-path probability, order, parent, token, prob)
     proposed = 0
+    depths: list[int] = []
 
     def propose(parent: int, at: list[Source], path_prob: float, limit: int) -> None:
         nonlocal proposed
+        depth = 0 if parent == ROOT_NODE else depths[parent] + 1
         for p, token in continuation_estimates(at, levels, limit, min_length=min_length):
-            heapq.heappush(heap, (-path_prob * p, proposed, parent, token, p))
+            heapq.heappush(heap, (-path_prob * (p if chance is None else chance(depth, p)), proposed, parent, token, p))
             proposed += 1
 
     propose(ROOT_NODE, sources, 1.0, width)
@@ -122,6 +131,7 @@ def grow_tree(sources: list[Source], size: int, width: int, levels: int, min_len
         tree.parents.append(parent)
         tree.probs.append(p)
         tree.path_probs.append(path_prob)
+        depths.append(0 if parent == ROOT_NODE else depths[parent] + 1)
         has_children.append(False)
         at = step_sources(sources if parent == ROOT_NODE else node_sources[parent], token)
         node_sources.append(at)

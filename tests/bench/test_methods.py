@@ -163,3 +163,32 @@ def test_a_prompt_first_met_in_a_replayed_epoch_drafts_nothing():
     rollouts = [Rollout("a", 0, 0, [1, 5, 6], list(range(100, 120))), Rollout("new", 1, 0, [1, 7, 8], loop)]
     result = replay(toy_trace(rollouts), make_method("ngramrl"), 8)
     assert result.forwards == result.tokens == len(loop)
+
+
+def test_tree_method_learns_acceptance_from_every_child_verification_reached():
+    """After a verified tree, each child of the context and of every accepted node is one
+    observation for the calibration (accepted or not at its depth); the trees that follow are
+    grown on those chances."""
+    from ngramrl.bench.methods import NgramRLTreeMethod
+    from ngramrl.core.tree import ROOT_NODE
+
+    prompt = [1, 5, 6]
+    first, second = [10, 11, 12, 13, 14, 2], [10, 11, 22, 23, 24, 2]
+    method = NgramRLTreeMethod(width=2)
+    method.add_history([Rollout("a", 0, s, prompt, out) for s, out in enumerate([first, first, second])])
+    method.start(Rollout("a", 1, 0, prompt, [10, 11, 30, 31]))
+    method.commit([10])  # the first token: no tree yet
+    tree = method.propose(16)
+    assert tree.children(ROOT_NODE) and len(tree.leaves()) == 2  # 11, then 12 ... or 22 ...
+    truth = [11, 30]  # 11 accepted, then the target emits 30: no child of 11 has it
+    reached = [ROOT_NODE, tree.children(ROOT_NODE)[0]]
+    expected = sum(len(tree.children(node)) for node in reached)
+    method.commit(truth)
+    cells = method.calibration.state()
+    assert sum(trials for *_, trials in cells) == pytest.approx(expected, rel=0.02)  # (decay: 0.99 a repeat)
+    assert sum(accepted for *_, accepted, _ in cells) == 1  # only 11 was accepted
+    assert {int(bucket) for bucket, *_ in cells} == {0, 1}  # depth 0 (11), depth 1 (12 and 22)
+    grown = []
+    method.drafter.lookup_tree = lambda *args, **kwargs: grown.append(kwargs.get("chance")) or tree
+    method.propose(16)
+    assert grown == [method.calibration.chance]

@@ -99,3 +99,32 @@ def test_empty_inputs_give_empty_trees():
     assert len(grow_tree(sources, 0, 4, LEVELS)[0]) == 0
     assert len(grow_tree(sources, 8, 0, LEVELS)[0]) == 0
     assert len(grow_tree(sources, 3, 2, LEVELS)[0]) == 3
+
+
+def test_with_acceptance_chances_a_wide_tree_holds_the_paths_likeliest_to_be_accepted():
+    """``chance`` (what verification showed of estimates like these, by depth) replaces the
+    estimate in the path probabilities: here deep estimates are discounted, so the tree goes wider."""
+    def chance(depth, estimate):
+        return estimate * 0.5 ** depth
+
+    for seed in range(5):
+        sources = random_sources(seed)
+        size = 12
+        tree, _ = grow_tree(sources, size, width=size, levels=LEVELS, chance=chance)
+        chosen = node_paths(tree)
+        scored = {}
+        frontier = [((), sources, 1.0)]
+        while frontier:  # every path's product of chances, by brute force
+            path, at, prob = frontier.pop()
+            for p, token in continuation_estimates(at, LEVELS, 100, min_length=1):
+                here = prob * chance(len(path), p)
+                if here >= min(tree.path_probs) * (1 - 1e-9):
+                    scored[path + (token,)] = (here, p)
+                    frontier.append((path + (token,), step_sources(at, token), here))
+        for path, prob, estimate in zip(chosen, tree.path_probs, tree.probs, strict=True):
+            assert (prob, estimate) == pytest.approx(scored[path])  # the nodes keep their estimates
+        left_out = set(scored) - set(chosen)
+        assert all(scored[path][0] <= min(tree.path_probs) * (1 + 1e-9) for path in left_out)
+        plain, _ = grow_tree(sources, size, width=size, levels=LEVELS)
+        depth = [len(p) for p in node_paths(plain)]
+        assert sum(len(p) for p in chosen) <= sum(depth)  # discounted depth: no deeper than without
