@@ -113,6 +113,19 @@ public:
         if (s.best_state >= 0) prefetch_state(s.best_state);
         if (s.kids >= 0) __builtin_prefetch(&kids_[s.kids]);
     }
+    // Where child(state, token) reads in the kid list of a state whose list record is cached: the
+    // token's hash slot (a long list's) and the start of the items.
+    void prefetch_lookup(const State& s, int32_t token) const {
+        if (s.kids < 0) return;
+        const KidList& kl = kids_[s.kids];
+        if (!kl.where.empty()) __builtin_prefetch(&kl.where[slot_of(token, kl.where.size() - 1)]);
+        __builtin_prefetch(kl.items.data());
+    }
+    // The records of a short kid list's children (a ranking reads their counts).
+    void prefetch_children(const State& s) const {
+        if (s.kids < 0) return;
+        for (const auto& item : kids_[s.kids].items) prefetch_state(item.second);
+    }
     void prefetch_items(const State& s) const {
         if (s.kids >= 0) __builtin_prefetch(kids_[s.kids].items.data());
     }

@@ -1234,10 +1234,58 @@ private:
         return r.known && r.index && r.layout == history_.layout && r.pending.empty();
     }
 
-    // The outcome model for row i of a prefetch (ReferenceCore._caught_up, then predict_for): reads only.
-    void predict_row(Request& r, const Tokens& tokens, int64_t begin, int64_t end, const std::vector<double>& probs,
-                     Automaton* global, std::vector<OutcomeOut>& out) const {
-        thread_local std::vector<double> chances;
+    // One row's inputs to the outcome model: its match states caught up (ReferenceCore._caught_up)
+    // and its draft's calibrated chances.
+    struct RowInputs {
+        SourceMatch sources[2];
+        size_t num_sources = 1;
+        std::vector<double> chances;
+        std::vector<Match>* walked[2];
+    };
+
+    // The outcome model for rows of a prefetch (predict_for each, the rows' cache misses
+    // overlapped: OutcomePlanner), each row's draft at [begins[i], ends[i]) of ``tokens``; the
+    // match states it walked kept for the next step's lookup (Walked). Reads the indexes only.
+    void predict_rows(Request* const* reqs, const int64_t* begins, const int64_t* ends, size_t n, const Tokens& tokens,
+                      const std::vector<double>& probs, Automaton* global, std::vector<OutcomeOut>* outs) const {
+        thread_local std::vector<RowInputs> inputs;
+        thread_local std::vector<OutcomeQuery> queries;
+        thread_local OutcomePlanner planner;
+        if (inputs.size() < n) inputs.resize(n);
+        queries.clear();
+        for (size_t i = 0; i < n; ++i) {
+            Request& r = *reqs[i];
+            RowInputs& in = inputs[i];
+            catch_up_probe(r, global, in);
+            const int32_t length = static_cast<int32_t>(ends[i] - begins[i]);
+            in.chances.resize(length);
+            for (int32_t j = 0; j < length; ++j) in.chances[j] = calibration_.chance(j, probs[begins[i] + j]);
+            r.walked.generation = 0;
+            in.walked[0] = &r.walked.prompt_chain;
+            in.walked[1] = &r.walked.global_chain;
+            queries.push_back(OutcomeQuery{in.sources, in.num_sources, tokens.data() + begins[i], length,
+                                           in.chances.data(), &outs[i], in.walked});
+        }
+        planner.predict(queries.data(), n, prefetch_.allocate.budget, prefetch_.levels);
+        for (size_t i = 0; i < n; ++i) {
+            Request& r = *reqs[i];
+            if (!r.ls.behind.empty()) continue;  // the next commit replaces what the walk started from
+            Walked& w = r.walked;
+            w.generation = prefetches_;
+            w.stamp = stamp(r);
+            w.from = r.ls.match;
+            // The cross-prompt chain resumes what catch_up would advance, not what it would re-match.
+            w.global = inputs[i].num_sources == 2 &&
+                       static_cast<int32_t>(r.ls.global_behind.size()) <= config_.rematch_tokens;
+            w.global_from = r.ls.global_match;
+            w.global_behind = r.ls.global_behind.size();
+            w.draft.assign(tokens.begin() + begins[i], tokens.begin() + ends[i]);
+            if (!w.global) w.global_chain.clear();
+        }
+    }
+
+    // The row's match states with its pending tokens read (ReferenceCore._caught_up), as sources.
+    void catch_up_probe(const Request& r, Automaton* global, RowInputs& in) const {
         LookState probe;
         probe.match = r.ls.match;
         if (!r.ls.behind.empty()) probe.match = r.index->advance(probe.match, r.ls.behind.data(), r.ls.behind.size());
@@ -1256,28 +1304,10 @@ private:
                                                      r.ls.global_behind.size());
             }
         }
-        SourceMatch sources[2] = {{r.index, probe.match}, {nullptr, Match{}}};
-        size_t num_sources = 1;
+        in.sources[0] = SourceMatch{r.index, probe.match};
+        in.num_sources = 1;
         if (config_.use_global && probe.global && global && probe.global_serial == global->serial)
-            sources[num_sources++] = SourceMatch{global, probe.global_match};
-        const int32_t length = static_cast<int32_t>(end - begin);
-        chances.resize(length);
-        for (int32_t j = 0; j < length; ++j) chances[j] = calibration_.chance(j, probs[begin + j]);
-        Walked& w = r.walked;
-        w.generation = 0;
-        std::vector<Match>* chains_out[2] = {&w.prompt_chain, &w.global_chain};
-        predict_outcomes(sources, num_sources, tokens.data() + begin, length, chances.data(), prefetch_.allocate.budget,
-                         prefetch_.levels, out, chains_out);
-        if (!r.ls.behind.empty()) return;  // the next commit replaces what the walk started from
-        w.generation = prefetches_;
-        w.stamp = stamp(r);
-        w.from = r.ls.match;
-        // The cross-prompt chain resumes what catch_up would advance, not what it would re-match.
-        w.global = num_sources == 2 && static_cast<int32_t>(r.ls.global_behind.size()) <= config_.rematch_tokens;
-        w.global_from = r.ls.global_match;
-        w.global_behind = r.ls.global_behind.size();
-        w.draft.assign(tokens.begin() + begin, tokens.begin() + end);
-        if (!w.global) w.global_chain.clear();
+            in.sources[in.num_sources++] = SourceMatch{global, probe.global_match};
     }
 
     // The draft the next step makes for the request if it commits draft[:j] + [b] (ReferenceCore._committed).
@@ -1351,10 +1381,10 @@ private:
             workers_.run(rows.size(), [&](size_t n) {
                 if (cancel_.load(std::memory_order_relaxed)) return;
                 const int64_t t0 = now_ns();
-                Request& r = *reqs[rows[n]];
+                Request* r = reqs[rows[n]];
                 std::vector<std::vector<OutcomeOut>> candidates(1), mine;
-                predict_row(r, tokens, offsets[rows[n]], offsets[rows[n] + 1], probs, global, candidates[0]);
-                allocate(candidates, {r.handle}, alloc, mine);
+                predict_rows(&r, &offsets[rows[n]], &offsets[rows[n] + 1], 1, tokens, probs, global, candidates.data());
+                allocate(candidates, {r->handle}, alloc, mine);
                 chosen[n] = std::move(mine[0]);
                 const int64_t t1 = now_ns();
                 found[n].reserve(chosen[n].size());
@@ -1382,14 +1412,22 @@ private:
             std::vector<int64_t> keys(rows.size());
             std::atomic<bool> cancelled{false};
             const int64_t t0 = now_ns();
-            workers_.run(rows.size(), [&](size_t n) {
+            constexpr size_t kPlanGroup = 8;  // rows planned in lock step, their cache misses overlapped
+            workers_.run((rows.size() + kPlanGroup - 1) / kPlanGroup, [&](size_t g) {
                 if (cancel_.load(std::memory_order_relaxed)) {
                     cancelled.store(true, std::memory_order_relaxed);
                     return;
                 }
-                Request& r = *reqs[rows[n]];
-                keys[n] = r.handle;
-                predict_row(r, tokens, offsets[rows[n]], offsets[rows[n] + 1], probs, global, candidates[n]);
+                const size_t first = g * kPlanGroup, n = std::min(kPlanGroup, rows.size() - first);
+                Request* group[kPlanGroup];
+                int64_t begins[kPlanGroup], ends[kPlanGroup];
+                for (size_t i = 0; i < n; ++i) {
+                    group[i] = reqs[rows[first + i]];
+                    keys[first + i] = group[i]->handle;
+                    begins[i] = offsets[rows[first + i]];
+                    ends[i] = offsets[rows[first + i] + 1];
+                }
+                predict_rows(group, begins, ends, n, tokens, probs, global, candidates.data() + first);
             });
             if (cancelled.load()) return;  // a budget allocated over part of the batch is not the reference's
             std::vector<std::vector<OutcomeOut>> chosen;

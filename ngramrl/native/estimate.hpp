@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -612,66 +613,194 @@ inline bool outcome_less(const OutcomeOut& x, const OutcomeOut& y) {  // Python'
     return x.token < y.token;
 }
 
-// outcome.predict_outcomes: the ``limit`` most probable (j, b), most probable first. ``walked``
-// (optional, one per source): the match states after tokens[:j] for each j it read.
-inline void predict_outcomes(const SourceMatch* sources, size_t num_sources, const int32_t* tokens, int32_t k,
-                             const double* chances, int32_t limit, int32_t levels, std::vector<OutcomeOut>& out,
-                             std::vector<Match>* const* walked = nullptr) {
-    out.clear();
-    if (walked)
-        for (size_t s = 0; s < num_sources; ++s) walked[s]->clear();
-    if (limit <= 0 || num_sources == 0) return;
-    thread_local std::vector<double> p_accepted;
-    thread_local std::vector<int32_t> order;
-    thread_local std::vector<std::vector<Match>> chains;
-    thread_local std::vector<SourceMatch> at_j;
-    thread_local std::vector<std::pair<double, int32_t>> dist;
-    p_accepted.clear();
-    double survive = 1.0;
-    for (int32_t i = 0; i < k; ++i) {
-        p_accepted.push_back(survive * (1.0 - chances[i]));
-        survive *= chances[i];
-    }
-    p_accepted.push_back(survive);
-    order.resize(k + 1);
-    for (int32_t j = 0; j <= k; ++j) order[j] = j;
-    std::stable_sort(order.begin(), order.end(), [](int32_t x, int32_t y) { return p_accepted[x] > p_accepted[y]; });
-    if (chains.size() < num_sources) chains.resize(num_sources);
-    for (size_t s = 0; s < num_sources; ++s) {
-        chains[s].clear();
-        chains[s].push_back(sources[s].match);
-    }
-    at_j.resize(num_sources);
-    auto heap_greater = [](const OutcomeOut& x, const OutcomeOut& y) { return outcome_less(y, x); };  // min-heap
-    for (int32_t j : order) {
-        const double pj = p_accepted[j];
-        if (static_cast<int32_t>(out.size()) == limit && pj <= out.front().probability) break;
-        for (size_t s = 0; s < num_sources; ++s) {
-            std::vector<Match>& chain = chains[s];
-            while (static_cast<int32_t>(chain.size()) <= j)
-                chain.push_back(sources[s].index->step(chain.back(), tokens[chain.size() - 1]));
-            at_j[s] = SourceMatch{sources[s].index, chain[j]};
+// One row's outcome.predict_outcomes: its sources (the prompt's index first), its draft and the
+// calibrated acceptance chance of each draft token; ``out`` gets the ``limit`` most probable
+// (j, b), most probable first, and ``walked`` (optional, one per source) the match states after
+// tokens[:j] for each j the prediction read.
+struct OutcomeQuery {
+    const SourceMatch* sources;
+    size_t num_sources;
+    const int32_t* tokens;
+    int32_t k;
+    const double* chances;
+    std::vector<OutcomeOut>* out;
+    std::vector<Match>* const* walked = nullptr;
+};
+
+// outcome.predict_outcomes for several rows at once, each computed exactly as alone. After a
+// forward a row's prediction is a chain of dependent cache misses (match states, suffix links,
+// kid lists); the rows go in lock step, one j each per round, and before a round's estimates
+// every row's next reads are hinted a level at a time, so different rows' misses overlap.
+class OutcomePlanner {
+public:
+    void predict(const OutcomeQuery* queries, size_t n, int32_t limit, int32_t levels) {
+        rows_.resize(n);
+        for (size_t r = 0; r < n; ++r) start(rows_[r], queries[r], limit);
+        auto heap_greater = [](const OutcomeOut& x, const OutcomeOut& y) { return outcome_less(y, x); };  // min-heap
+        for (;;) {
+            active_.clear();
+            for (size_t r = 0; r < n; ++r)
+                if (next_j(rows_[r], queries[r], limit)) active_.push_back(r);
+            if (active_.empty()) break;
+            extend_chains(queries);
+            hint_levels(queries, levels);
+            for (size_t r : active_) {
+                Row& row = rows_[r];
+                const OutcomeQuery& q = queries[r];
+                std::vector<OutcomeOut>& out = *q.out;
+                const int32_t j = row.j;
+                const double pj = row.p_accepted[j];
+                for (size_t s = 0; s < q.num_sources; ++s) at_j_[s] = SourceMatch{q.sources[s].index, row.chains[s][j]};
+                const double floor = static_cast<int32_t>(out.size()) == limit ? out.front().probability / pj : 0.0;
+                continuation_estimates(at_j_, q.num_sources, levels, limit, j < q.k ? q.tokens[j] : -1, 0, floor, dist_);
+                for (const auto& pt : dist_) {
+                    const double p = pj * pt.first;
+                    if (static_cast<int32_t>(out.size()) < limit) {
+                        out.push_back(OutcomeOut{p, j, pt.second});
+                        std::push_heap(out.begin(), out.end(), heap_greater);
+                    } else if (p > out.front().probability) {
+                        std::pop_heap(out.begin(), out.end(), heap_greater);
+                        out.back() = OutcomeOut{p, j, pt.second};
+                        std::push_heap(out.begin(), out.end(), heap_greater);
+                    } else {
+                        break;  // tokens come most likely first
+                    }
+                }
+            }
         }
-        const double floor = static_cast<int32_t>(out.size()) == limit ? out.front().probability / pj : 0.0;
-        continuation_estimates(at_j.data(), num_sources, levels, limit, j < k ? tokens[j] : -1, 0, floor, dist);
-        for (const auto& pt : dist) {
-            const double p = pj * pt.first;
-            if (static_cast<int32_t>(out.size()) < limit) {
-                out.push_back(OutcomeOut{p, j, pt.second});
-                std::push_heap(out.begin(), out.end(), heap_greater);
-            } else if (p > out.front().probability) {
-                std::pop_heap(out.begin(), out.end(), heap_greater);
-                out.back() = OutcomeOut{p, j, pt.second};
-                std::push_heap(out.begin(), out.end(), heap_greater);
-            } else {
-                break;  // tokens come most likely first
+        for (size_t r = 0; r < n; ++r) {
+            const OutcomeQuery& q = queries[r];
+            std::sort(q.out->begin(), q.out->end(), [](const OutcomeOut& x, const OutcomeOut& y) { return outcome_less(y, x); });
+            if (q.walked)
+                for (size_t s = 0; s < q.num_sources; ++s) q.walked[s]->assign(rows_[r].chains[s].begin(), rows_[r].chains[s].end());
+        }
+    }
+
+private:
+    static constexpr size_t kMaxSources = 2;
+    struct Row {
+        std::vector<double> p_accepted;
+        std::vector<int32_t> order;  // the j, likeliest first
+        size_t next = 0;             // into order
+        int32_t j = -1;
+        bool done = false;
+        std::vector<Match> chains[kMaxSources];
+    };
+    struct Cursor {  // a suffix-link walk the next estimate makes, for hints
+        const Automaton* index;
+        int32_t state, used, exclude;
+    };
+    std::vector<Row> rows_;
+    std::vector<size_t> active_;
+    std::vector<Cursor> cursors_;
+    std::vector<Cursor> listed_;  // the levels with kid lists
+    SourceMatch at_j_[kMaxSources];
+    std::vector<std::pair<double, int32_t>> dist_;
+
+    static void start(Row& row, const OutcomeQuery& q, int32_t limit) {
+        q.out->clear();
+        if (q.walked)
+            for (size_t s = 0; s < q.num_sources; ++s) q.walked[s]->clear();
+        row.done = limit <= 0 || q.num_sources == 0;
+        row.next = 0;
+        for (auto& chain : row.chains) chain.clear();
+        if (row.done) return;
+        if (q.num_sources > kMaxSources) throw std::logic_error("predict_outcomes reads at most two sources");
+        row.p_accepted.clear();
+        double survive = 1.0;
+        for (int32_t i = 0; i < q.k; ++i) {
+            row.p_accepted.push_back(survive * (1.0 - q.chances[i]));
+            survive *= q.chances[i];
+        }
+        row.p_accepted.push_back(survive);
+        row.order.resize(q.k + 1);
+        for (int32_t j = 0; j <= q.k; ++j) row.order[j] = j;
+        const std::vector<double>& p = row.p_accepted;
+        std::stable_sort(row.order.begin(), row.order.end(), [&p](int32_t x, int32_t y) { return p[x] > p[y]; });
+        for (size_t s = 0; s < q.num_sources; ++s) row.chains[s].push_back(q.sources[s].match);
+    }
+
+    // The row's next j, or false once no later j can enter its top ``limit`` (P(b | j) <= 1).
+    static bool next_j(Row& row, const OutcomeQuery& q, int32_t limit) {
+        if (row.done) return false;
+        if (row.next == row.order.size()) {
+            row.done = true;
+            return false;
+        }
+        row.j = row.order[row.next++];
+        const std::vector<OutcomeOut>& out = *q.out;
+        if (static_cast<int32_t>(out.size()) == limit && row.p_accepted[row.j] <= out.front().probability) {
+            row.done = true;
+            return false;
+        }
+        return true;
+    }
+
+    // The active rows' match states after tokens[:j], a token of every row per round.
+    void extend_chains(const OutcomeQuery* queries) {
+        for (bool more = true; more;) {
+            more = false;
+            for (size_t r : active_) {  // the records the steps read, hinted first
+                const OutcomeQuery& q = queries[r];
+                for (size_t s = 0; s < q.num_sources; ++s)
+                    if (static_cast<int32_t>(rows_[r].chains[s].size()) <= rows_[r].j)
+                        q.sources[s].index->prefetch_kids((*q.sources[s].index)[rows_[r].chains[s].back().state]);
+            }
+            for (size_t r : active_) {
+                const OutcomeQuery& q = queries[r];
+                for (size_t s = 0; s < q.num_sources; ++s) {
+                    std::vector<Match>& chain = rows_[r].chains[s];
+                    if (static_cast<int32_t>(chain.size()) > rows_[r].j) continue;
+                    const Automaton& a = *q.sources[s].index;
+                    chain.push_back(a.step(chain.back(), q.tokens[chain.size() - 1]));
+                    a.prefetch_state(chain.back().state);
+                    more = more || static_cast<int32_t>(chain.size()) <= rows_[r].j;
+                }
             }
         }
     }
-    std::sort(out.begin(), out.end(), [](const OutcomeOut& x, const OutcomeOut& y) { return outcome_less(y, x); });
-    if (walked)
-        for (size_t s = 0; s < num_sources; ++s) walked[s]->assign(chains[s].begin(), chains[s].end());
-}
+
+    // Hints for the levels the active rows' estimates read: each walk down the suffix links a
+    // level per round (a level's record arrives while the other walks take their step), with
+    // the kid lists of the levels that have continuations.
+    void hint_levels(const OutcomeQuery* queries, int32_t levels) {
+        cursors_.clear();
+        for (size_t r : active_) {
+            const OutcomeQuery& q = queries[r];
+            for (size_t s = 0; s < q.num_sources; ++s)
+                cursors_.push_back(Cursor{q.sources[s].index, rows_[r].chains[s][rows_[r].j].state, 0,
+                                          rows_[r].j < q.k ? q.tokens[rows_[r].j] : -1});
+        }
+        listed_.clear();
+        while (!cursors_.empty()) {
+            size_t kept = 0;
+            for (Cursor c : cursors_) {
+                const Automaton::State& state = (*c.index)[c.state];
+                if (state.distinct) {
+                    ++c.used;
+                    c.index->prefetch_kids(state);
+                    if (state.kids >= 0) listed_.push_back(c);
+                }
+                if (c.used >= levels || c.state == ROOT) continue;
+                c.state = state.link;
+                c.index->prefetch_state(c.state);
+                cursors_[kept++] = c;
+            }
+            cursors_.resize(kept);
+        }
+        // Then what the estimate reads in the kid lists: where the excluded token is looked up,
+        // and a short list's items (it is ranked from them), then the records those lead to.
+        for (const Cursor& l : listed_) l.index->prefetch_lookup((*l.index)[l.state], l.exclude);
+        for (const Cursor& l : listed_) {
+            const Automaton::State& state = (*l.index)[l.state];
+            if (static_cast<size_t>(state.distinct) < Automaton::kRankCacheFrom) l.index->prefetch_children(state);
+            if (l.exclude >= 0) {
+                const int32_t kid = l.index->child(l.state, l.exclude);
+                if (kid >= 0) l.index->prefetch_state(kid);
+            }
+        }
+    }
+};
 
 // outcome.AcceptanceCalibration: acceptance per (position bucket, estimate decile).
 class Calibration {
