@@ -1041,9 +1041,8 @@ private:
 
     // NgramDrafter.absorb, the part after the entry was found and touched.
     void absorb_into(Request& r, Prompt* entry) {
-        Tokens tokens;
-        tokens.swap(r.pending);
-        history_.extend_live(entry, r.handle, tokens);
+        history_.extend_live(entry, r.handle, r.pending);
+        r.pending.clear();  // keeps its buffer for the next step's tokens
         if (entry == nullptr) return;
         Automaton* idx = history_.ensure_index(entry);
         if (idx->serial == r.index_serial) {
@@ -1190,8 +1189,9 @@ private:
             ls.behind.clear();
         }
         if (!ls.global_behind.empty() && ls.global) {
-            Tokens behind;
-            behind.swap(ls.global_behind);
+            thread_local Tokens behind;  // ls keeps its buffer for the next step's tokens
+            behind.assign(ls.global_behind.begin(), ls.global_behind.end());
+            ls.global_behind.clear();
             if (current_global == nullptr || ls.global_serial != current_global->serial) {
                 ls.global = nullptr;
                 ls.global_serial = 0;
