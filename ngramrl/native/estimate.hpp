@@ -229,6 +229,40 @@ inline void continuation_estimates(const SourceMatch* sources, size_t num_source
     estimator.estimate(sources, num_sources, levels, limit, exclude, min_length, floor, out);
 }
 
+// A walk down one match state's suffix links that an estimate is about to make, for cache hints.
+struct LevelWalk {
+    const Automaton* index;
+    int32_t state;
+    int32_t used;     // levels with continuations passed so far
+    int32_t exclude;  // the token the estimate excludes (-1: none)
+};
+
+// Hints for the levels estimates read next (Estimator and GreedyStep read the first ``levels``
+// suffix levels with continuations): every walk goes down its suffix links a level per round, so
+// a level's record arrives while the other walks take their step, with the kid lists of the levels
+// that have continuations. ``listed`` gets the levels whose kid list has its own record, for the
+// caller's hints into the lists. The walks are consumed.
+inline void hint_suffix_levels(std::vector<LevelWalk>& walks, int32_t levels, std::vector<LevelWalk>& listed) {
+    listed.clear();
+    for (const LevelWalk& w : walks) w.index->prefetch_state(w.state);
+    while (!walks.empty()) {
+        size_t kept = 0;
+        for (LevelWalk w : walks) {
+            const Automaton::State& state = (*w.index)[w.state];
+            if (state.distinct) {
+                ++w.used;
+                w.index->prefetch_kids(state);
+                if (state.kids >= 0) listed.push_back(w);
+            }
+            if (w.used >= levels || w.state == ROOT) continue;
+            w.state = state.link;
+            w.index->prefetch_state(w.state);
+            walks[kept++] = w;
+        }
+        walks.resize(kept);
+    }
+}
+
 inline void step_sources(std::vector<SourceMatch>& at, int32_t token) {
     for (SourceMatch& s : at) s.match = s.index->step(s.match, token);
 }
@@ -387,32 +421,14 @@ inline bool extend_once(PathJob& job, GreedyStep& greedy, const ChainConfig& con
     return true;
 }
 
-// Cache hints for the next token of several paths: the suffix-link chains the estimates will read,
-// walked one level at a time across all paths, so that their cache misses overlap.
+// Cache hints for the next token of several paths: the suffix levels their greedy steps read.
 inline void prefetch_levels(const std::vector<PathJob>& jobs, const std::vector<int32_t>& active, int32_t levels) {
-    struct Cursor {
-        const Automaton* index;
-        int32_t state;
-    };
-    thread_local std::vector<Cursor> cursors;
-    thread_local std::vector<std::pair<const Automaton*, int32_t>> listed;  // states with kid lists
-    cursors.clear();
-    listed.clear();
+    thread_local std::vector<LevelWalk> walks, listed;
+    walks.clear();
     for (int32_t j : active)
-        for (const SourceMatch& s : jobs[j].at) {
-            s.index->prefetch_state(s.match.state);
-            cursors.push_back(Cursor{s.index, s.match.state});
-        }
-    for (int32_t level = 0; level <= levels; ++level)
-        for (Cursor& c : cursors) {
-            if (c.state < 0) continue;
-            const Automaton::State& s = (*c.index)[c.state];
-            c.index->prefetch_kids(s);
-            if (s.kids >= 0) listed.emplace_back(c.index, c.state);
-            c.state = c.state == ROOT ? -1 : s.link;
-            if (c.state >= 0) c.index->prefetch_state(c.state);
-        }
-    for (const auto& l : listed) l.first->prefetch_items((*l.first)[l.second]);
+        for (const SourceMatch& s : jobs[j].at) walks.push_back(LevelWalk{s.index, s.match.state, 0, -1});
+    hint_suffix_levels(walks, levels, listed);
+    for (const LevelWalk& l : listed) l.index->prefetch_items((*l.index)[l.state]);
 }
 
 // Several paths at once, one token of each in turn (each path's tokens are what extend_path
@@ -686,14 +702,9 @@ private:
         bool done = false;
         std::vector<Match> chains[kMaxSources];
     };
-    struct Cursor {  // a suffix-link walk the next estimate makes, for hints
-        const Automaton* index;
-        int32_t state, used, exclude;
-    };
     std::vector<Row> rows_;
     std::vector<size_t> active_;
-    std::vector<Cursor> cursors_;
-    std::vector<Cursor> listed_;  // the levels with kid lists
+    std::vector<LevelWalk> walks_, listed_;
     SourceMatch at_j_[kMaxSources];
     std::vector<std::pair<double, int32_t>> dist_;
 
@@ -760,38 +771,20 @@ private:
         }
     }
 
-    // Hints for the levels the active rows' estimates read: each walk down the suffix links a
-    // level per round (a level's record arrives while the other walks take their step), with
-    // the kid lists of the levels that have continuations.
+    // Hints for what the active rows' estimates read: their suffix levels, then in the kid lists
+    // where the excluded token is looked up, and a short list's items (it is ranked from them),
+    // then the records those lead to.
     void hint_levels(const OutcomeQuery* queries, int32_t levels) {
-        cursors_.clear();
+        walks_.clear();
         for (size_t r : active_) {
             const OutcomeQuery& q = queries[r];
             for (size_t s = 0; s < q.num_sources; ++s)
-                cursors_.push_back(Cursor{q.sources[s].index, rows_[r].chains[s][rows_[r].j].state, 0,
-                                          rows_[r].j < q.k ? q.tokens[rows_[r].j] : -1});
+                walks_.push_back(LevelWalk{q.sources[s].index, rows_[r].chains[s][rows_[r].j].state, 0,
+                                           rows_[r].j < q.k ? q.tokens[rows_[r].j] : -1});
         }
-        listed_.clear();
-        while (!cursors_.empty()) {
-            size_t kept = 0;
-            for (Cursor c : cursors_) {
-                const Automaton::State& state = (*c.index)[c.state];
-                if (state.distinct) {
-                    ++c.used;
-                    c.index->prefetch_kids(state);
-                    if (state.kids >= 0) listed_.push_back(c);
-                }
-                if (c.used >= levels || c.state == ROOT) continue;
-                c.state = state.link;
-                c.index->prefetch_state(c.state);
-                cursors_[kept++] = c;
-            }
-            cursors_.resize(kept);
-        }
-        // Then what the estimate reads in the kid lists: where the excluded token is looked up,
-        // and a short list's items (it is ranked from them), then the records those lead to.
-        for (const Cursor& l : listed_) l.index->prefetch_lookup((*l.index)[l.state], l.exclude);
-        for (const Cursor& l : listed_) {
+        hint_suffix_levels(walks_, levels, listed_);
+        for (const LevelWalk& l : listed_) l.index->prefetch_lookup((*l.index)[l.state], l.exclude);
+        for (const LevelWalk& l : listed_) {
             const Automaton::State& state = (*l.index)[l.state];
             if (static_cast<size_t>(state.distinct) < Automaton::kRankCacheFrom) l.index->prefetch_children(state);
             if (l.exclude >= 0) {
