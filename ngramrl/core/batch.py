@@ -402,6 +402,18 @@ class ReferenceCore:
         for i in arrival_order(handles):
             self.drafter.absorb(self._request(handles[i]))
 
+    def continuations(self, prompt_id: str, prompt: Any, output: Any, m: int) -> list[tuple[int, int]]:
+        """The first ``m`` (token, count) continuations, in ranking order, of the state that ``output``
+        reaches in the prompt's index: what the outcome model ranks its corrections from."""
+        prompt, output = token_ids(_listed(prompt), "prompt"), token_ids(_listed(output), "output")
+        if m < 0:
+            raise ValueError(f"continuations: m must be >= 0, got {m}")
+        index = self.history.index_of(prompt_id)
+        if index is None:
+            return []
+        match = advance(index, MatchState(), self.history.sequence(prompt, output))
+        return index.continuations(match.state)[:m]
+
     def lookup_context(self, prompt_id: str, prompt: Any, output: Any, k: int) -> Draft:
         """The draft after ``output`` from the current history, changing nothing but an index
         build (the drafter pool's stateless lookup)."""

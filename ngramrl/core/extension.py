@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 logger = logging.getLogger(__name__)
-NEWEST = "checks_rollout_tokens"  # the newest name: an extension without it was built from older sources
+NEWEST = "ranks_continuations"  # the newest name: an extension without it was built from older sources
 _warned = False
 
 

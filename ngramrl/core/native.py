@@ -133,6 +133,11 @@ class NativeCore:
         """The rows' committed tokens enter the index: in the background (``now``: before returning)."""
         self._core.absorb(np.ascontiguousarray(handles, dtype=np.int64).reshape(-1), bool(now))
 
+    def continuations(self, prompt_id: str, prompt: Any, output: Any, m: int) -> list[tuple[int, int]]:
+        if m < 0:
+            raise ValueError(f"continuations: m must be >= 0, got {m}")
+        return [tuple(pair) for pair in self._core.continuations(str(prompt_id), prompt, output, int(m))]
+
     def lookup_context(self, prompt_id: str, prompt: Any, output: Any, k: int) -> Draft:
         tokens, probs, matched, source = self._core.lookup_context(str(prompt_id), prompt, output,
                                                                    int(k))

@@ -53,7 +53,7 @@ public:
         std::vector<std::pair<int32_t, int32_t>> items;  // (token, target), insertion order
         std::vector<int32_t> where;  // open addressing, token -> position + 1 (0: empty), once large
         // The ranking's head for a state with many continuations, read by the outcome model;
-        // valid while followed (which grows with every continuation) is what it was.
+        // valid while top_stamp is the state's followed (extend keeps it so: keep_ranking).
         std::vector<std::pair<int32_t, int32_t>> top;
         int32_t top_stamp = -1;
     };
@@ -191,10 +191,14 @@ public:
             if (s.kids >= 0) {
                 int32_t target = child(p, token);
                 int32_t best = s.best_state;
+                const int32_t was_best = s.best_token;
                 if (best < 0 || states_[target].count >= states_[best].count) {
                     s.best_token = token;
                     s.best_state = target;
                 }
+                KidList& kl = kids_[s.kids];
+                if (kl.top_stamp == s.followed - 1)
+                    keep_ranking(kl, token, states_[target].count, was_best, s.best_token, s.followed);
             }
         }
         ++num_tokens;
@@ -333,6 +337,56 @@ private:
             states_[state].kids = static_cast<int32_t>(kids_.size()) - 1;
             states_[state].distinct = 2;
         }
+    }
+
+    // A cached ranking head kept current through an extend that followed the state with ``token``:
+    // of a state's continuations only that token's count grows (every transition into a state on
+    // the new token's suffix path carries the token), and the best continuation can only become
+    // it. The token's entry moves up (or enters, or stays outside a head that is a prefix of the
+    // ranking), the old best moves down among equal counts; where the old best then ties with the
+    // last entry of a prefix, a continuation outside it might come first: the head is dropped and
+    // ranked() ranks the list again.
+    static void keep_ranking(KidList& kl, int32_t token, int32_t count, int32_t was_best, int32_t best,
+                             int32_t followed) {
+        std::vector<std::pair<int32_t, int32_t>>& top = kl.top;
+        const auto before = [best](const std::pair<int32_t, int32_t>& x, const std::pair<int32_t, int32_t>& y) {
+            if (x.second != y.second) return x.second > y.second;
+            if ((x.first == best) != (y.first == best)) return x.first == best;
+            return x.first < y.first;
+        };
+        const auto find = [&top](int32_t t) {
+            size_t at = 0;
+            while (at < top.size() && top[at].first != t) ++at;
+            return at;
+        };
+        size_t at = find(token);
+        if (at < top.size()) {
+            top[at].second = count;
+        } else if (top.size() + 1 == kl.items.size()) {  // the one continuation the head lacked
+            top.emplace_back(token, count);
+        } else if (!top.empty() && top.size() < kl.items.size() && before({token, count}, top.back())) {
+            top.back() = {token, count};
+            at = top.size() - 1;
+        } else if (top.empty() || top.size() >= kl.items.size() || was_best != best) {
+            kl.top_stamp = -1;
+            return;
+        } else {
+            kl.top_stamp = followed;  // the token stays below the head, which is unchanged
+            return;
+        }
+        const bool complete = top.size() == kl.items.size();
+        if (was_best != best) {
+            size_t old = find(was_best);
+            if (old < top.size()) {
+                if (!complete && top[old].second == top.back().second) {
+                    kl.top_stamp = -1;
+                    return;
+                }
+                for (; old + 1 < top.size() && before(top[old + 1], top[old]); ++old) std::swap(top[old], top[old + 1]);
+            }
+        }
+        for (at = find(token); at > 0 && before(top[at], top[at - 1]); --at) std::swap(top[at], top[at - 1]);
+        kl.top_stamp = followed;
     }
 
     void rank_into(const KidList& kl, int32_t best, size_t m, std::vector<std::pair<int32_t, int32_t>>& out) const {

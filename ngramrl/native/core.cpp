@@ -858,6 +858,22 @@ public:
 
     // ---- the pool's stateless lookup ------------------------------------------------------
 
+    // The first m continuations of the state ``output`` reaches in the prompt's index, as the
+    // outcome model ranks them (the index's cached ranking head where it keeps one).
+    std::vector<std::pair<int32_t, int32_t>> continuations(const std::string& id, const Tokens& prompt,
+                                                           const Tokens& output, int32_t m) {
+        std::vector<std::pair<int32_t, int32_t>> out;
+        py::gil_scoped_release release;
+        join();
+        Prompt* entry = history_.find(id);
+        if (entry == nullptr) return out;
+        const Automaton* index = history_.indexed(entry);
+        Tokens seq;
+        history_.sequence(prompt, output.data(), output.size(), seq);
+        index->ranked(index->advance(Match{}, seq.data(), seq.size()).state, static_cast<size_t>(m), out);
+        return out;
+    }
+
     py::tuple lookup_context(const std::string& id, const Tokens& prompt, const Tokens& output, int32_t k) {
         DraftOut out;
         {
@@ -1484,9 +1500,8 @@ using namespace ngramrl;
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
-    // What ngramrl.core.extension checks for: Core's add_rollout and lookup_context check their
-    // token ids as start does (the newest interface change).
-    m.attr("checks_rollout_tokens") = true;
+    // What ngramrl.core.extension checks for: Core has continuations (the newest interface change).
+    m.attr("ranks_continuations") = true;
     // xtx and xty are updated in place: an array that would need converting is refused, not copied
     m.def("step_cost_fold", &step_cost_fold, py::arg("xtx").noconvert(), py::arg("xty").noconvert(), py::arg("yty"),
           py::arg("observed"), py::arg("knees"), py::arg("decay"));
@@ -1631,6 +1646,10 @@ PYBIND11_MODULE(_native, m) {
              })
         .def("calibration_state", &Core::calibration_state)
         .def("load_calibration_state", &Core::load_calibration_state)
+        .def("continuations",
+             [](Core& c, const std::string& id, py::handle prompt, py::handle output, int32_t m) {
+                 return c.continuations(id, token_ids(prompt, "prompt"), token_ids(output, "output"), m);
+             })
         .def("lookup_context",
              [](Core& c, const std::string& id, py::handle prompt, py::handle output, int32_t k) {
                  return c.lookup_context(id, token_ids(prompt, "prompt"), token_ids(output, "output"), k);

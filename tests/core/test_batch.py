@@ -623,6 +623,39 @@ def test_equally_frequent_continuations_rank_by_token_id_after_the_newest(width)
     assert sorted(b for j, b in predicted if j == 0) == sorted(followers[:-1])[:2]
 
 
+def test_rankings_stay_exact_as_live_sequences_extend_the_index():
+    """The native core keeps a long continuation list's ranking head current through each extend
+    (only the appended token's count grows; the best continuation can only become it), and ranks
+    the list again where the demoted best ties with the head's last entry. A state with 40
+    continuations seen once each (a head of 33 is a prefix of its ranking: the newest first, then
+    by token id) followed again and again by them and by new tokens gives the same rankings in
+    both cores after every step, ties at the head's end included."""
+    rng = random.Random(7)
+    cores = pair(HistoryConfig(prompt_tail=0), DrafterConfig(use_global=False), PrefetchConfig(budget=32))
+    followers = list(range(100, 140))  # the newest, the best of equals, has the highest id: it leaves the head
+    handles = []
+    for core in cores:
+        core.add_rollout("p", [0], [7] * 50, 0)
+        for t in followers:
+            core.add_rollout("p", [0], [1, 2, t], 0)
+        handles.append(core.start("p", [0], []))
+    assert handles[0] == handles[1]
+    compared = 0
+    for step in range(150):
+        for m in (33, 5):  # the outcome model's budget + 1 first: the head the native core caches
+            for context in ([1, 2], [2], []):
+                ranked = [core.continuations("p", [0], context, m) for core in cores]
+                assert ranked[0] == ranked[1], f"step {step}, m {m}, after {context}"
+                compared += len(ranked[0])
+        token = rng.randrange(100, 150)  # counts rise evenly: the best changes among equals, and new ones come
+        for core in cores:
+            core.step([handles[0]], [1, 2, token], [0, 3], [1])
+            core.absorb([handles[0]])
+    assert compared > 10000
+    with pytest.raises(ValueError, match="m must be >= 0"):
+        cores[1].continuations("p", [0], [1, 2], -1)
+
+
 @pytest.mark.parametrize("path_width", [2, 4])
 def test_chains_chosen_from_trees_are_the_same_in_both_cores(path_width):
     drafted = 0
