@@ -1326,14 +1326,13 @@ private:
             in.sources[in.num_sources++] = SourceMatch{global, probe.global_match};
     }
 
-    // The draft the next step makes for the request if it commits draft[:j] + [b] (ReferenceCore._committed).
-    void lookup_outcome(const Request& r, const Tokens& tokens, int64_t begin, const OutcomeOut& outcome, int32_t k,
-                        Automaton* global, DraftOut& out) const {
-        Tokens after;
-        LookState probe;
-        outcome_probe(r, tokens, begin, outcome, after, probe);
-        lookup_from(r.index, r, after.data(), after.size(), probe, k, global, out);
-    }
+    // An outcome to look up: the next draft of ``request`` if it commits the first j tokens of its
+    // draft (at ``begin`` in the prefetch's tokens) and then b.
+    struct OutcomeLookup {
+        const Request* request;
+        int64_t begin;
+        OutcomeOut outcome;
+    };
 
     // The tokens a row commits at ``outcome`` (its draft's first j, then b) and the match state
     // that would follow them, for a lookup that changes nothing.
@@ -1346,23 +1345,22 @@ private:
         if (r.ls.global) probe.global_behind.insert(probe.global_behind.end(), after.begin(), after.end());
     }
 
-    // lookup_outcome for several outcomes of one request, drafted together.
-    void lookup_outcomes(const Request& r, const Tokens& tokens, int64_t begin, const OutcomeOut* outcomes, size_t n,
-                         int32_t k, Automaton* global, Prefetched* found) const {
+    // The drafts the next step makes for several outcomes (ReferenceCore._committed), drafted
+    // together so that their cache misses overlap.
+    void lookup_outcomes(const OutcomeLookup* items, size_t n, const Tokens& tokens, int32_t k, Automaton* global,
+                         DraftOut* const* outs) const {
         thread_local std::vector<std::vector<SourceMatch>> sources;
         thread_local std::vector<int32_t> ks;
-        thread_local std::vector<DraftOut*> outs;
         thread_local Tokens after;
         thread_local LookState probe;
         sources.resize(n);
         ks.assign(n, k);
-        outs.clear();
         for (size_t i = 0; i < n; ++i) {
-            outcome_probe(r, tokens, begin, outcomes[i], after, probe);
+            const Request& r = *items[i].request;
+            outcome_probe(r, tokens, items[i].begin, items[i].outcome, after, probe);
             sources_of(r.index, r, after.data(), after.size(), probe, global, sources[i]);
-            outs.push_back(&found[i].draft);
         }
-        chains(sources, ks.data(), outs.data(), n, config_.chain);
+        chains(sources, ks.data(), outs, n, config_.chain);
     }
 
     void run_prefetch(const std::vector<Request*>& reqs, const Tokens& tokens, const std::vector<int64_t>& offsets,
@@ -1386,11 +1384,16 @@ private:
             std::vector<std::vector<OutcomeOut>> chosen(rows.size());
             std::vector<size_t> looked(rows.size(), 0);  // per row: its outcomes looked up, likeliest first
             auto look = [&](size_t n, size_t begin, size_t end) {
+                OutcomeLookup items[kGroup];
+                DraftOut* outs[kGroup];
                 for (size_t g = begin; g < end; g += kGroup) {
                     if (cancel_.load(std::memory_order_relaxed)) return;
                     const size_t size = std::min(kGroup, end - g);
-                    lookup_outcomes(*reqs[rows[n]], tokens, offsets[rows[n]], chosen[n].data() + g, size, k, global,
-                                    found[n].data() + g);
+                    for (size_t i = 0; i < size; ++i) {
+                        items[i] = OutcomeLookup{reqs[rows[n]], offsets[rows[n]], chosen[n][g + i]};
+                        outs[i] = &found[n][g + i].draft;
+                    }
+                    lookup_outcomes(items, size, tokens, k, global, outs);
                     looked[n] = g + size;
                 }
             };
@@ -1461,13 +1464,22 @@ private:
             // Likeliest first across the batch: what a cancel leaves undone is the least likely.
             std::stable_sort(jobs.begin(), jobs.end(),
                              [](const Job& x, const Job& y) { return x.outcome.probability > y.outcome.probability; });
+            // In groups of consecutive jobs drafted together (a cancel waits for one group at most).
+            constexpr size_t kGroup = 4;
             std::vector<DraftOut> drafts(jobs.size());
             std::vector<uint8_t> done(jobs.size(), 0);
-            workers_.run(jobs.size(), [&](size_t jn) {
+            workers_.run((jobs.size() + kGroup - 1) / kGroup, [&](size_t g) {
                 if (cancel_.load(std::memory_order_relaxed)) return;
-                const Job& job = jobs[jn];
-                lookup_outcome(*reqs[rows[job.n]], tokens, offsets[rows[job.n]], job.outcome, k, global, drafts[jn]);
-                done[jn] = 1;
+                const size_t first = g * kGroup, size = std::min(kGroup, jobs.size() - first);
+                OutcomeLookup items[kGroup];
+                DraftOut* outs[kGroup];
+                for (size_t i = 0; i < size; ++i) {
+                    const Job& job = jobs[first + i];
+                    items[i] = OutcomeLookup{reqs[rows[job.n]], offsets[rows[job.n]], job.outcome};
+                    outs[i] = &drafts[first + i];
+                }
+                lookup_outcomes(items, size, tokens, k, global, outs);
+                for (size_t i = 0; i < size; ++i) done[first + i] = 1;
             });
             for (size_t jn = 0; jn < jobs.size(); ++jn)
                 if (done[jn]) found[jobs[jn].n].push_back(Prefetched{rows[jobs[jn].n], jobs[jn].outcome,
