@@ -973,40 +973,53 @@ struct AllocateConfig {
 };
 
 // outcome.allocate over rows: which outcomes of each row to prefetch. ``keys`` break ties
-// across rows as the reference's dictionary keys do (the request handles).
+// across rows as the reference's dictionary keys do (the request handles). With a budget across
+// the batch the outcomes kept are those not below the budget-th largest (probability, key,
+// position) (a strict order: the same set as the reference's heap), found in linear time, and
+// each row keeps its own in their order.
 inline void allocate(const std::vector<std::vector<OutcomeOut>>& candidates, const std::vector<int64_t>& keys,
                      const AllocateConfig& config, std::vector<std::vector<OutcomeOut>>& chosen) {
-    chosen.assign(candidates.size(), {});
+    chosen.resize(candidates.size());
+    size_t eligible = 0;
     for (size_t r = 0; r < candidates.size(); ++r) {
         const auto& outs = candidates[r];
+        chosen[r].clear();
         const size_t take = std::min(outs.size(), static_cast<size_t>(std::max(0, config.budget)));
         for (size_t i = 0; i < take; ++i)
             if (outs[i].probability >= config.min_probability && outs[i].probability > 0) chosen[r].push_back(outs[i]);
+        eligible += chosen[r].size();
     }
-    if (config.global_budget < 0) return;
+    if (config.global_budget < 0 || eligible <= static_cast<size_t>(config.global_budget)) return;
     struct Entry {
         double p;
         int64_t key;
-        int32_t row, i;
+        int32_t i;
     };
-    std::vector<Entry> pool;
-    for (size_t r = 0; r < chosen.size(); ++r)
-        for (size_t i = 0; i < chosen[r].size(); ++i)
-            pool.push_back(Entry{chosen[r][i].probability, keys[r], static_cast<int32_t>(r), static_cast<int32_t>(i)});
     auto larger = [](const Entry& x, const Entry& y) {
         if (x.p != y.p) return x.p > y.p;
         if (x.key != y.key) return x.key > y.key;
         return x.i > y.i;
     };
-    const size_t take = std::min(pool.size(), static_cast<size_t>(config.global_budget));
-    std::partial_sort(pool.begin(), pool.begin() + take, pool.end(), larger);
-    pool.resize(take);
-    std::sort(pool.begin(), pool.end(), [](const Entry& x, const Entry& y) {
-        return x.row != y.row ? x.row < y.row : x.i < y.i;
-    });
-    std::vector<std::vector<OutcomeOut>> kept(chosen.size());
-    for (const Entry& e : pool) kept[e.row].push_back(chosen[e.row][e.i]);
-    chosen.swap(kept);
+    const size_t take = static_cast<size_t>(config.global_budget);
+    if (take == 0) {
+        for (auto& row : chosen) row.clear();
+        return;
+    }
+    thread_local std::vector<Entry> pool;
+    pool.clear();
+    pool.reserve(eligible);
+    for (size_t r = 0; r < chosen.size(); ++r)
+        for (size_t i = 0; i < chosen[r].size(); ++i)
+            pool.push_back(Entry{chosen[r][i].probability, keys[r], static_cast<int32_t>(i)});
+    std::nth_element(pool.begin(), pool.begin() + static_cast<std::ptrdiff_t>(take - 1), pool.end(), larger);
+    const Entry cutoff = pool[take - 1];
+    for (size_t r = 0; r < chosen.size(); ++r) {
+        std::vector<OutcomeOut>& row = chosen[r];
+        size_t kept = 0;
+        for (size_t i = 0; i < row.size(); ++i)
+            if (!larger(cutoff, Entry{row[i].probability, keys[r], static_cast<int32_t>(i)})) row[kept++] = row[i];
+        row.resize(kept);
+    }
 }
 
 }  // namespace ngramrl
