@@ -134,8 +134,6 @@ class NativeCore:
         self._core.absorb(np.ascontiguousarray(handles, dtype=np.int64).reshape(-1), bool(now))
 
     def continuations(self, prompt_id: str, prompt: Any, output: Any, m: int) -> list[tuple[int, int]]:
-        if m < 0:
-            raise ValueError(f"continuations: m must be >= 0, got {m}")
         return [tuple(pair) for pair in self._core.continuations(str(prompt_id), prompt, output, int(m))]
 
     def lookup_context(self, prompt_id: str, prompt: Any, output: Any, k: int) -> Draft:

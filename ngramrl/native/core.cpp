@@ -862,6 +862,7 @@ public:
     // outcome model ranks them (the index's cached ranking head where it keeps one).
     std::vector<std::pair<int32_t, int32_t>> continuations(const std::string& id, const Tokens& prompt,
                                                            const Tokens& output, int32_t m) {
+        if (m < 0) throw py::value_error("continuations: m must be >= 0, got " + std::to_string(m));
         std::vector<std::pair<int32_t, int32_t>> out;
         py::gil_scoped_release release;
         join();

@@ -652,8 +652,9 @@ def test_rankings_stay_exact_as_live_sequences_extend_the_index():
             core.step([handles[0]], [1, 2, token], [0, 3], [1])
             core.absorb([handles[0]])
     assert compared > 10000
-    with pytest.raises(ValueError, match="m must be >= 0"):
-        cores[1].continuations("p", [0], [1, 2], -1)
+    for core in cores:
+        with pytest.raises(ValueError, match="m must be >= 0"):
+            core.continuations("p", [0], [1, 2], -1)
 
 
 @pytest.mark.parametrize("path_width", [2, 4])
