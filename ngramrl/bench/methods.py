@@ -338,17 +338,11 @@ class NgramRLTreeMethod(NgramRLMethod):
         says whether an estimate like its own was accepted at its depth."""
         tree = self._tree
         if tree is not None:
-            parent = ROOT_NODE
-            for depth, token in enumerate(tokens):
-                taken = ROOT_NODE
+            accepted = tree.accept(tokens)
+            for depth, parent in enumerate([ROOT_NODE, *accepted][:len(tokens)]):
+                taken = accepted[depth] if depth < len(accepted) else ROOT_NODE
                 for child in tree.children(parent):
-                    accepted = tree.tokens[child] == token
-                    self.calibration.observe_token(depth, tree.probs[child], accepted)
-                    if accepted:
-                        taken = child
-                if taken == ROOT_NODE:
-                    break
-                parent = taken
+                    self.calibration.observe_token(depth, tree.probs[child], child == taken)
             self._tree = None
         super().commit(tokens)
 
