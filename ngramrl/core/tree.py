@@ -101,14 +101,13 @@ def grow_tree(sources: list[Source], size: int, width: int, levels: int, min_len
     proposed = 0
     depths: list[int] = []
 
-    def propose(parent: int, at: list[Source], path_prob: float, limit: int) -> None:
+    def propose(parent: int, depth: int, at: list[Source], path_prob: float, limit: int) -> None:
         nonlocal proposed
-        depth = 0 if parent == ROOT_NODE else depths[parent] + 1
         for p, token in continuation_estimates(at, levels, limit, min_length=min_length):
             heapq.heappush(heap, (-path_prob * (p if chance is None else chance(depth, p)), proposed, parent, token, p))
             proposed += 1
 
-    propose(ROOT_NODE, sources, 1.0, width)
+    propose(ROOT_NODE, 0, sources, 1.0, width)
     has_children: list[bool] = []
     root_has_children = False
     leaves = 0
@@ -136,7 +135,7 @@ def grow_tree(sources: list[Source], size: int, width: int, levels: int, min_len
         at = step_sources(sources if parent == ROOT_NODE else node_sources[parent], token)
         node_sources.append(at)
         if token not in stops and len(tree.tokens) < size:
-            propose(node, at, path_prob, width if leaves < width else 1)
+            propose(node, depths[node] + 1, at, path_prob, width if leaves < width else 1)
     return tree, node_sources
 
 
