@@ -362,12 +362,14 @@ private:
         size_t at = find(token);
         if (at < top.size()) {
             top[at].second = count;
+        } else if (top.empty() || top.size() >= kl.items.size()) {  // no head lacks the token but a prefix
+            kl.top_stamp = -1;
+            return;
         } else if (top.size() + 1 == kl.items.size()) {  // the one continuation the head lacked
             top.emplace_back(token, count);
-        } else if (!top.empty() && top.size() < kl.items.size() && before({token, count}, top.back())) {
+        } else if (before({token, count}, top.back())) {
             top.back() = {token, count};
-            at = top.size() - 1;
-        } else if (top.empty() || top.size() >= kl.items.size() || was_best != best) {
+        } else if (was_best != best) {
             kl.top_stamp = -1;
             return;
         } else {
