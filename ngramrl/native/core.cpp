@@ -1358,10 +1358,34 @@ private:
         ks.assign(n, k);
         for (size_t i = 0; i < n; ++i) {
             const Request& r = *items[i].request;
+            if (walked_sources(r, items[i].outcome, global, sources[i])) continue;
             outcome_probe(r, tokens, items[i].begin, items[i].outcome, after, probe);
             sources_of(r.index, r, after.data(), after.size(), probe, global, sources[i]);
         }
         chains(sources, ks.data(), outs, n, config_.chain);
+    }
+
+    // The match states after an outcome (j, b) of this prefetch, one step by b from those the
+    // outcome model walked after d_1..d_j: what catching up over d_1..d_j + [b] from the request's
+    // states gives (Automaton::step token by token), without re-reading the tokens the request
+    // committed since its last lookup, which every outcome of the row would read again. Where the
+    // walk does not stand for that catch-up (not walked, or the cross-prompt state re-matched
+    // rather than advanced), false.
+    bool walked_sources(const Request& r, const OutcomeOut& outcome, Automaton* global,
+                        std::vector<SourceMatch>& sources) const {
+        const Walked& w = r.walked;
+        const size_t j = static_cast<size_t>(outcome.accepted);
+        if (w.generation != prefetches_ || j >= w.prompt_chain.size() || !r.ls.behind.empty() || !(r.ls.match == w.from))
+            return false;
+        if (config_.use_global &&
+            !(w.global && j < w.global_chain.size() && global && r.ls.global == global &&
+              r.ls.global_serial == global->serial && r.ls.global_match == w.global_from &&
+              r.ls.global_behind.size() == w.global_behind &&
+              static_cast<int32_t>(w.global_behind + j + 1) <= config_.rematch_tokens))
+            return false;
+        sources.assign(1, SourceMatch{r.index, r.index->step(w.prompt_chain[j], outcome.token)});
+        if (config_.use_global) sources.push_back(SourceMatch{global, global->step(w.global_chain[j], outcome.token)});
+        return true;
     }
 
     void run_prefetch(const std::vector<Request*>& reqs, const Tokens& tokens, const std::vector<int64_t>& offsets,
