@@ -601,6 +601,8 @@ inline void chains(const std::vector<std::vector<SourceMatch>>& sources, const i
     for (size_t i = 0; i < n; ++i) {
         DraftOut& out = *outs[i];
         out.clear();
+        out.tokens.reserve(ks[i]);  // one allocation each, not one per doubling as tokens are added
+        out.probs.reserve(ks[i]);
         out.matched = sources[i][0].match.matched;
         PathJob& job = jobs[i];
         job.at.assign(sources[i].begin(), sources[i].end());
