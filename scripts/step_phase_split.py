@@ -21,7 +21,7 @@ sys.path.insert(0, ".")
 
 from ngramrl.bench.bench_steps import default_profile  # noqa: E402
 from ngramrl.bench.steps import build_engine, copies_for, prepare_workload, summarize_steps  # noqa: E402
-from ngramrl.config import EngineConfig, NgramRLConfig, PrefetchConfig  # noqa: E402
+from ngramrl.config import EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig  # noqa: E402
 from ngramrl.core.batch import DraftBatch  # noqa: E402
 from ngramrl.core.trace import read_trace  # noqa: E402
 from ngramrl.engine import vllm_proposer  # noqa: E402
@@ -42,13 +42,16 @@ def main() -> None:
                         help="size of the cache-polluting pass standing in for the forward (MB; 0: none)")
     parser.add_argument("--per-request", action="store_true",
                         help="each request's budget its own (share_budget off), not shared across the batch")
+    parser.add_argument("--windows-move", action="store_true",
+                        help="the history keeps the epochs before the replayed one only (bench-steps --windows-move)")
     args = parser.parse_args()
     if args.flush_mb < 0:
         raise SystemExit(f"--flush-mb must be >= 0, got {args.flush_mb}")
     trace = read_trace(args.trace)
     last = max(r.epoch for r in trace.rollouts)
     workload = prepare_workload(trace, last, copies_for(trace, last, 2 * args.batch))
-    config = NgramRLConfig(engine=EngineConfig(adaptive_length=False),
+    history = HistoryConfig(epochs_kept=last) if args.windows_move else HistoryConfig()
+    config = NgramRLConfig(history=history, engine=EngineConfig(adaptive_length=False),
                            prefetch=PrefetchConfig(budget=args.budget, share_budget=not args.per_request))
     engine = build_engine(args.method, workload, 8, default_profile(8), args.threads, int(args.flush_mb * (1 << 20)),
                           config=config)
@@ -87,8 +90,12 @@ def main() -> None:
             full["propose"].append(time.perf_counter_ns() - begin)
             for key in (*CALLS, *GLUE, *PHASES):
                 full[key].append(step_totals[key])
+            rebuilds = core.counters()["rebuilds"]
+            full["rebuilds"].append(rebuilds - last_rebuilds[0])
+        last_rebuilds[0] = core.counters()["rebuilds"]
         return out
 
+    last_rebuilds = [0]
     proposer.propose = timed_propose
     try:
         summary = summarize_steps(engine.run_phase(workload.phases[0], args.batch), args.batch)
@@ -108,6 +115,7 @@ def main() -> None:
     print("  the native step's phases:")
     for phase in PHASES[:-1]:
         print(f"    {phase[5:-3]:<18} {mean[phase] / 1e3:8.0f} us")
+    print(f"    index rebuilds     {mean['rebuilds']:8.2f} per step")
     print(f"    lookups per step   {mean['step_lookups']:8.1f}")
     timings = core.timings()
     if timings["plan_rows"]:  # the background's work, over the whole phase

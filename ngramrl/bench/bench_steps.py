@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from ngramrl.bench.report import print_now
 from ngramrl.bench.steps import build_engine, copies_for, method_available, prepare_workload, summarize_steps
-from ngramrl.config import EngineConfig, NgramRLConfig, PrefetchConfig
+from ngramrl.config import EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.profile import MODEL_SHAPES, StepProfile, check_output, load_profile, roofline_profile
 from ngramrl.core.trace import read_trace
 
@@ -37,6 +37,7 @@ class BenchStepsConfig:
     flush_mb: float = 32.0
     draft_always: bool = False    # every row drafts k tokens every step: the step-cost model off
     budgets: list[int] = field(default_factory=lambda: [PrefetchConfig().budget])  # ngramrl-prefetch: one run each
+    windows_move: bool = False    # every prompt's window moves on in the replayed epoch (an RL run's steady state)
     json_out: str | None = None
 
     def __post_init__(self) -> None:
@@ -103,7 +104,8 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
     result = {"ngramrl_bench_steps": BENCH_STEPS_VERSION, "runs": runs,
               "profile": {"source": profile.source, "model": profile.model.get("name"),
                           "device": profile.device.get("name"), "path": config.profile},
-              "k": config.k, "flush_mb": config.flush_mb, "draft_always": config.draft_always}
+              "k": config.k, "flush_mb": config.flush_mb, "draft_always": config.draft_always,
+              "windows_move": config.windows_move}
 
     def write(partial: bool) -> None:
         # after every run: a benchmark that is stopped leaves what it finished
@@ -115,6 +117,10 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
         last = max(r.epoch for r in trace.rollouts)
         if last < 1:
             raise ValueError(f"{trace.path}: one epoch only; bench-steps needs earlier epochs as history")
+        # With windows_move the window keeps the epochs before the replayed one only: each
+        # prompt's first finished rollout evicts its oldest epoch's, as in an RL run once every
+        # prompt has more epochs than the window keeps (its index is rebuilt, once per epoch).
+        history = HistoryConfig(epochs_kept=last) if config.windows_move else HistoryConfig()
         for batch in config.batches:
             workload = prepare_workload(trace, last, copies_for(trace, last, 2 * batch))
             for method, threads, budget in step_runs(config):
@@ -122,7 +128,7 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                     continue
                 prefetch = PrefetchConfig(budget=budget) if budget is not None else PrefetchConfig()
                 engine = build_engine(method, workload, config.k, profile, threads, int(config.flush_mb * (1 << 20)),
-                                      config=NgramRLConfig(engine=engine_config, prefetch=prefetch))
+                                      config=NgramRLConfig(history=history, engine=engine_config, prefetch=prefetch))
                 try:
                     records = engine.run_phase(workload.phases[0], batch)
                 finally:

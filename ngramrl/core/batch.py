@@ -440,7 +440,7 @@ class ReferenceCore:
 
     def _readable(self, request: RequestState) -> bool:
         """Whether the request's state can be read as it is (nothing needs rebuilding or inserting)."""
-        return (request.known and request.index is not None and request.layout == self.history.layout
+        return (request.known and self.drafter.holds_current_index(request)
                 and not request.pending)
 
     def _caught_up(self, request: RequestState) -> RequestState:

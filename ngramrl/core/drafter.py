@@ -76,7 +76,7 @@ class RequestState:
     global_index: SuffixAutomaton | None = None
     global_match: MatchState = field(default_factory=MatchState)
     global_behind: list[int] = field(default_factory=list)  # committed, not yet stepped into ``global_match``
-    layout: int = -1  # history layout the index references were checked under
+    layout: int = -1  # history layout the prompt was last found under
 
 
 class NgramDrafter:
@@ -177,10 +177,16 @@ class NgramDrafter:
             self.history.end_live(request.prompt_id, request.request_id, epoch, linger=linger)
             request.known = False
 
+    def holds_current_index(self, request: RequestState) -> bool:
+        """Whether the index the request holds is still its prompt's: no prompt left the history
+        since the request found it, and its prompt's own index was not dropped since."""
+        return (request.layout == self.history.layout and request.index is not None
+                and self.history.current_index(request.prompt_id) is request.index)
+
     def index(self, request: RequestState) -> SuffixAutomaton | None:
         """The prompt's current index; the match state is recomputed if the index was rebuilt. If
         the prompt was evicted meanwhile, the request goes on without drafts (None)."""
-        if request.layout == self.history.layout and request.index is not None:
+        if self.holds_current_index(request):
             return request.index
         request.layout = self.history.layout
         index = self.history.index_of(request.prompt_id)

@@ -90,8 +90,10 @@ class RolloutHistory:
         self._stored = 0
         self.evicted_prompts = 0
         self.rebuilds = 0
-        # Bumped whenever an index may be replaced (window trim, discard, eviction): a request whose
-        # match state was computed under the same layout can skip re-validating it.
+        # Bumped whenever prompts may have left (an eviction, ``clear``) or the cross-prompt index
+        # may be replaced: a request that found its prompt under the same layout need not find it
+        # again, only check that the prompt's own index is the one it holds (``current_index``).
+        # One prompt's index being dropped (a window trim, a discard) moves no other request.
         self.layout = 0
         # Cross-prompt index over every stored rollout; rebuilt lazily after evictions.
         self._global: SuffixAutomaton | None = None
@@ -140,7 +142,6 @@ class RolloutHistory:
         if evicted or entry.lingering:
             entry.lingering = False
             entry.index = None  # rebuilt lazily on the next lookup
-            self.layout += 1
         elif index_it and entry.index is not None:
             entry.index.add_sequence(self.sequence(entry.prompt, tokens))
         if self._global is not None:
@@ -243,7 +244,6 @@ class RolloutHistory:
         elif epoch is None:
             if tokens or entry.index is not None:
                 entry.index = None
-                self.layout += 1
         else:
             self._store(entry, epoch, tokens, index_it=False)
 
@@ -261,6 +261,12 @@ class RolloutHistory:
     def cursor(self, prompt_id: str, request_id: str) -> int:
         """State of the request's own sequence in its prompt's current index."""
         return self._prompts[prompt_id].cursors[request_id]
+
+    def current_index(self, prompt_id: str) -> SuffixAutomaton | None:
+        """The prompt's index as it is (None if it was dropped or the prompt is unknown): neither
+        built nor touched."""
+        entry = self._prompts.get(prompt_id)
+        return None if entry is None else entry.index
 
     def index_of(self, prompt_id: str) -> SuffixAutomaton | None:
         """The prompt's index (built if needed), or None for an unknown prompt."""

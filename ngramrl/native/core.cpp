@@ -240,7 +240,8 @@ struct Request {
     std::string prompt_id;
     Tokens prompt, output;
     bool known = false;
-    Automaton* index = nullptr;  // valid while layout == history.layout
+    Prompt* entry = nullptr;     // its prompt, found under ``layout`` (alive while the layout stays)
+    Automaton* index = nullptr;  // valid while holds_current_index
     uint64_t index_serial = 0;
     Tokens pending;  // committed, not yet in the index
     LookState ls;
@@ -889,6 +890,7 @@ public:
                 r.prompt = prompt;
                 r.output = output;
                 r.known = true;
+                r.entry = entry;
                 r.index = index;
                 r.index_serial = index->serial;
                 r.layout = history_.layout;
@@ -1013,11 +1015,20 @@ private:
                      built ? built->serial : 0, built ? built->num_tokens : -1};
     }
 
+    // NgramDrafter.holds_current_index: no prompt left since the request found its own (so
+    // ``entry`` is alive), and its prompt's index is the one it holds (not dropped and rebuilt,
+    // possibly at the same address: the serial tells).
+    bool holds_current_index(const Request& r) const {
+        return r.layout == history_.layout && r.index && r.entry && r.entry->index.get() == r.index &&
+               r.index->serial == r.index_serial;
+    }
+
     // NgramDrafter.index
     Automaton* index(Request& r) {
-        if (r.layout == history_.layout && r.index) return r.index;
+        if (holds_current_index(r)) return r.index;
         r.layout = history_.layout;
         Prompt* entry = history_.find(r.prompt_id);
+        r.entry = entry;
         Automaton* idx = entry ? history_.indexed(entry) : nullptr;
         LiveSequence* live = entry ? entry->find_live(r.handle) : nullptr;
         if (idx == nullptr || live == nullptr) {
@@ -1119,7 +1130,7 @@ private:
     // Whether the request's index is the one index() would return without looking (nothing shared
     // is read or changed to commit it).
     bool current(const Request& r) const {
-        return !r.known || (r.layout == history_.layout && r.index && r.pending.empty());
+        return !r.known || (holds_current_index(r) && r.pending.empty());
     }
 
     // Row i's part of a step: commit (or defer) its tokens, take its prefetched draft if there is
@@ -1248,7 +1259,7 @@ private:
     }
 
     bool readable(const Request& r) const {
-        return r.known && r.index && r.layout == history_.layout && r.pending.empty();
+        return r.known && holds_current_index(r) && r.pending.empty();
     }
 
     // One row's inputs to the outcome model: its match states caught up (ReferenceCore._caught_up)

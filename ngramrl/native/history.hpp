@@ -72,7 +72,7 @@ public:
     std::atomic<int64_t> stored{0};
     int64_t evicted_prompts = 0;
     std::atomic<int64_t> rebuilds{0};
-    int64_t layout = 0;
+    int64_t layout = 0;  // moves when prompts may have left or the cross-prompt index may be replaced
     int64_t global_builds = 0;
 
     size_t num_prompts() const { return prompts_.size(); }
@@ -133,7 +133,6 @@ public:
         if (evicted || entry->lingering) {
             entry->lingering = false;
             entry->index.reset();
-            layout += 1;
         } else if (index_it && entry->index) {
             add_indexed(*entry->index, entry->prompt, tokens);
         }
@@ -192,10 +191,7 @@ public:
         if (!has_epoch && linger) {
             entry->lingering = entry->lingering || (!tokens.empty() && entry->index != nullptr);
         } else if (!has_epoch) {
-            if (!tokens.empty() || entry->index) {
-                entry->index.reset();
-                layout += 1;
-            }
+            if (!tokens.empty() || entry->index) entry->index.reset();
         } else {
             store(entry, epoch, tokens, false);
         }

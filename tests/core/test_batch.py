@@ -367,6 +367,29 @@ def test_prefetched_draft_is_the_synchronous_one_and_is_dropped_when_an_index_ch
         assert hit.draft(0).tokens == outcomes.drafts.draft(0).tokens[:4]
 
 
+def test_a_prompts_window_moving_on_drops_only_its_own_requests_prefetched_drafts():
+    """In RL every prompt's window moves on once an epoch (its first finished rollout of the new
+    epoch evicts the oldest epoch's): that prompt's index is rebuilt, and its requests' prefetched
+    drafts are stale, but other prompts' requests keep theirs and stay readable for the prefetch."""
+    for core in pair(HistoryConfig(prompt_tail=0, epochs_kept=1), DrafterConfig(use_global=False),
+                     PrefetchConfig(budget=4)):
+        core.add_rollout("p", [9], [1, 2, 3, 4, 5, 6, 1, 2, 7, 8], 0)
+        core.add_rollout("q", [8], [1, 2, 3, 4, 5, 6, 1, 2, 7, 8], 0)
+        h, g = core.start("p", [9], []), core.start("q", [8], [])
+        leaving = core.start("q", [8], [5, 5])
+        first = core.step([h, g], [1, 1], [0, 1, 2], [4, 4])
+        core.prefetch([h, g], first.tokens, first.offsets, first.probs, 4, absorb=[h, g])
+        outcomes = outcomes_by_row(core.collect())
+        assert set(outcomes) == {0, 1}
+        core.finish(leaving, epoch=1)  # q's window moves on: its epoch-0 rollout leaves, its index is rebuilt
+        commits = [first.draft(row).tokens[:outcomes[row][0][0]] + [outcomes[row][0][1]] for row in (0, 1)]
+        second = core.step([h, g], commits[0] + commits[1],
+                           [0, len(commits[0]), len(commits[0]) + len(commits[1])], [4, 4])
+        assert second.prefetched.tolist() == [True, False], type(core).__name__
+        core.prefetch([h, g], second.tokens, second.offsets, second.probs, 4, absorb=[h, g])
+        assert set(outcomes_by_row(core.collect())) == {0, 1}
+
+
 def test_a_stopped_prefetch_leaves_its_drafts_to_the_next_step():
     """``stop`` (what the engine calls when the forward ends) waits for the prefetch without
     handing its outcomes over; the next step still finds them."""
