@@ -157,15 +157,19 @@ class NgramDrafter:
                 request.global_match = advance(request.global_index, request.global_match, behind)
 
     def absorb(self, request: RequestState) -> None:
-        """Add the request's committed tokens to its prompt's index (after its next draft is made)."""
+        """Add the request's committed tokens to its prompt's index (after its next draft is made).
+        The request then holds its prompt's current index, as ``index`` would find it: where the
+        index was rebuilt (the prompt's window moved on), a prefetch can read the new one at once."""
         if request.known and request.pending:
             tokens, request.pending = request.pending, []
             self.history.extend_live(request.prompt_id, request.request_id, tokens)
             index = self.history.index_of(request.prompt_id)
-            if index is request.index:
-                cursor = self.history.cursor(request.prompt_id, request.request_id)
-                request.match = MatchState(cursor, index.length[cursor])
-                request.behind = []
+            if index is None or not self.history.is_live(request.prompt_id, request.request_id):
+                return  # its prompt was evicted: ``index`` finds out at the next lookup
+            request.index, request.layout = index, self.history.layout
+            cursor = self.history.cursor(request.prompt_id, request.request_id)
+            request.match = MatchState(cursor, index.length[cursor])
+            request.behind = []
 
     def finish(self, request: RequestState, epoch: int | None = None, linger: bool = False) -> None:
         """The request ended: keep its output as a finished rollout of ``epoch``, or drop it (None;

@@ -1067,19 +1067,21 @@ private:
         if (r.ls.global) r.ls.global_behind.insert(r.ls.global_behind.end(), tokens.begin(), tokens.end());
     }
 
-    // NgramDrafter.absorb, the part after the entry was found and touched.
+    // NgramDrafter.absorb, the part after the entry was found and touched. (Rows of one prompt
+    // run on one thread; the layout does not move while rows absorb.)
     void absorb_into(Request& r, Prompt* entry) {
         history_.extend_live(entry, r.handle, r.pending);
         r.pending.clear();  // keeps its buffer for the next step's tokens
         if (entry == nullptr) return;
         Automaton* idx = history_.ensure_index(entry);
-        if (idx->serial == r.index_serial) {
-            LiveSequence* live = entry->find_live(r.handle);
-            if (live != nullptr) {
-                r.ls.match = Match{live->cursor, (*idx)[live->cursor].length};
-                r.ls.behind.clear();
-            }
-        }
+        LiveSequence* live = entry->find_live(r.handle);
+        if (live == nullptr) return;
+        r.entry = entry;
+        r.index = idx;
+        r.index_serial = idx->serial;
+        r.layout = history_.layout;
+        r.ls.match = Match{live->cursor, (*idx)[live->cursor].length};
+        r.ls.behind.clear();
     }
 
     void absorb_one(Request& r) {

@@ -390,6 +390,27 @@ def test_a_prompts_window_moving_on_drops_only_its_own_requests_prefetched_draft
         assert set(outcomes_by_row(core.collect())) == {0, 1}
 
 
+def test_a_request_whose_prompts_window_moved_on_during_a_step_is_prefetched_from_the_new_index():
+    """A request's committed tokens entering its prompt's index also hand it the index that was
+    rebuilt meanwhile: the prefetch of the step in which its prompt's window moved on already
+    covers it, and the next step takes its prefetched draft."""
+    for core in pair(HistoryConfig(prompt_tail=0, epochs_kept=1), DrafterConfig(use_global=False),
+                     PrefetchConfig(budget=4)):
+        core.add_rollout("p", [9], [1, 2, 3, 4, 5, 6, 1, 2, 7, 8], 0)
+        core.add_rollout("q", [8], [1, 2, 3, 4, 5, 6, 1, 2, 7, 8], 0)
+        h, g = core.start("p", [9], []), core.start("q", [8], [])
+        leaving = core.start("q", [8], [5, 5])
+        first = core.step([h, g], [1, 1], [0, 1, 2], [4, 4])
+        core.finish(leaving, epoch=1)  # q's window moves on before the prefetch: its index is rebuilt
+        core.prefetch([h, g], first.tokens, first.offsets, first.probs, 4, absorb=[h, g])
+        outcomes = outcomes_by_row(core.collect())
+        assert set(outcomes) == {0, 1}, type(core).__name__
+        commits = [first.draft(row).tokens[:outcomes[row][0][0]] + [outcomes[row][0][1]] for row in (0, 1)]
+        second = core.step([h, g], commits[0] + commits[1],
+                           [0, len(commits[0]), len(commits[0]) + len(commits[1])], [4, 4])
+        assert second.prefetched.tolist() == [True, True], type(core).__name__
+
+
 def test_a_stopped_prefetch_leaves_its_drafts_to_the_next_step():
     """``stop`` (what the engine calls when the forward ends) waits for the prefetch without
     handing its outcomes over; the next step still finds them."""
