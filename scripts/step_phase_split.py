@@ -42,15 +42,17 @@ def main() -> None:
                         help="size of the cache-polluting pass standing in for the forward (MB; 0: none)")
     parser.add_argument("--per-request", action="store_true",
                         help="each request's budget its own (share_budget off), not shared across the batch")
-    parser.add_argument("--windows-move", action="store_true",
-                        help="the history keeps the epochs before the replayed one only (bench-steps --windows-move)")
+    parser.add_argument("--epochs-kept", type=int, default=HistoryConfig().epochs_kept,
+                        help="HistoryConfig.epochs_kept: 3 with the shipped traces' epochs 0-2 as history moves every "
+                             "prompt's window on during the replay (bench-steps --windows-move); fewer also makes the "
+                             "cross-prompt index stale")
     args = parser.parse_args()
     if args.flush_mb < 0:
         raise SystemExit(f"--flush-mb must be >= 0, got {args.flush_mb}")
     trace = read_trace(args.trace)
     last = max(r.epoch for r in trace.rollouts)
     workload = prepare_workload(trace, last, copies_for(trace, last, 2 * args.batch))
-    history = HistoryConfig(epochs_kept=last) if args.windows_move else HistoryConfig()
+    history = HistoryConfig(epochs_kept=args.epochs_kept)
     config = NgramRLConfig(history=history, engine=EngineConfig(adaptive_length=False),
                            prefetch=PrefetchConfig(budget=args.budget, share_budget=not args.per_request))
     engine = build_engine(args.method, workload, 8, default_profile(8), args.threads, int(args.flush_mb * (1 << 20)),
@@ -90,12 +92,8 @@ def main() -> None:
             full["propose"].append(time.perf_counter_ns() - begin)
             for key in (*CALLS, *GLUE, *PHASES):
                 full[key].append(step_totals[key])
-            rebuilds = core.counters()["rebuilds"]
-            full["rebuilds"].append(rebuilds - last_rebuilds[0])
-        last_rebuilds[0] = core.counters()["rebuilds"]
         return out
 
-    last_rebuilds = [0]
     proposer.propose = timed_propose
     try:
         summary = summarize_steps(engine.run_phase(workload.phases[0], args.batch), args.batch)
@@ -106,7 +104,7 @@ def main() -> None:
           f"critical path mean {summary.step_us_mean:.0f} us")
     mean = {key: sum(values) / max(1, len(values)) for key, values in full.items()}
     inside = sum(mean[name] for name in CALLS)
-    print(f"  proposer call        {mean['propose'] / 1e3:8.0f} us")
+    print(f"  proposer call        {mean['propose'] / 1e3:8.0f} us (the longest {max(full['propose']) / 1e3:.0f} us)")
     for name in CALLS:
         print(f"    core.{name:<14} {mean[name] / 1e3:8.0f} us")
     print(f"    Python around them {(mean['propose'] - inside) / 1e3:8.0f} us")
@@ -115,8 +113,9 @@ def main() -> None:
     print("  the native step's phases:")
     for phase in PHASES[:-1]:
         print(f"    {phase[5:-3]:<18} {mean[phase] / 1e3:8.0f} us")
-    print(f"    index rebuilds     {mean['rebuilds']:8.2f} per step")
     print(f"    lookups per step   {mean['step_lookups']:8.1f}")
+    counters = core.counters()
+    print(f"  over the replay: {counters['rebuilds']} prompt index builds, {counters['global_builds']} cross-prompt")
     timings = core.timings()
     if timings["plan_rows"]:  # the background's work, over the whole phase
         print(f"  the prefetch: planning {timings['plan_ns'] / timings['plan_rows'] / 1e3:.1f} us per row, "

@@ -19,6 +19,13 @@ from ngramrl.core.automaton import ROOT, SuffixAutomaton
 
 _INT = {int}
 MAX_TOKEN_ID = 2**31 - 1  # the native core keeps token ids in 32 bits
+# A stale cross-prompt index is replaced by one built a little at a time, as rollouts are stored:
+# each stored rollout adds this many times its own tokens to the replacement. Built at once, at
+# the next lookup, the whole window's build would land on one engine step (hundreds of
+# milliseconds at a thousand prompts); this way it runs where rollouts enter the history (the
+# native core: in the background, during a forward), and is done after a quarter as many new
+# tokens as the window holds, long before the next one is due (when evicted tokens are half).
+REBUILD_PACE = 4
 
 
 def token_ids(tokens: Iterable[int], what: str) -> list[int]:
@@ -95,10 +102,17 @@ class RolloutHistory:
         # again, only check that the prompt's own index is the one it holds (``current_index``).
         # One prompt's index being dropped (a window trim, a discard) moves no other request.
         self.layout = 0
-        # Cross-prompt index over every stored rollout; rebuilt lazily after evictions.
+        # Cross-prompt index over every stored rollout; built at the first lookup, then replaced
+        # as it goes stale (``_global_evicted``).
         self._global: SuffixAutomaton | None = None
         self._global_tokens = 0  # rollout tokens in it
         self._global_stale = 0   # of which evicted since it was built
+        # Its replacement while that is built: the index so far, the rollouts still to add
+        # (prompt, output) in order, and its own counts.
+        self._next_global: SuffixAutomaton | None = None
+        self._next_queue: deque[tuple[list[int], list[int]]] = deque()
+        self._next_tokens = 0
+        self._next_stale = 0
         self.global_builds = 0
 
     def __contains__(self, prompt_id: str) -> bool:
@@ -145,22 +159,50 @@ class RolloutHistory:
         elif index_it and entry.index is not None:
             entry.index.add_sequence(self.sequence(entry.prompt, tokens))
         if self._global is not None:
-            self._global_evicted(evicted)
-        if self._global is not None:
+            if self._next_global is not None:
+                self._next_queue.append((entry.prompt, tokens))
+            self._global_evicted(evicted)  # a replacement it starts finds this rollout in the window
             self._global.add_sequence(self.sequence(entry.prompt, tokens))
             self._global_tokens += len(tokens)
+            self._build_next_global(REBUILD_PACE * len(tokens))
         elif index_it:
             self.layout += 1  # a new cross-prompt index will be built
         self._enforce_cap()
 
     def _global_evicted(self, tokens: int) -> None:
-        """Evicted rollouts stay in the cross-prompt index until they are half of it; then it is
-        rebuilt on the next lookup. Rebuilding it at every eviction would cost the whole history
-        each time a prompt's window moves on (once per prompt per epoch); this way a rebuild costs
-        O(1) per evicted token, and the fallback only drafts from a little more than the window."""
+        """Evicted rollouts stay in the cross-prompt index until they are half of it; then a
+        replacement over the current windows is started, built as rollouts are stored
+        (``_build_next_global``), and the index in use serves until it is done. Rebuilding it at
+        every eviction would cost the whole history each time a prompt's window moves on (once per
+        prompt per epoch); this way a rebuild costs O(1) per evicted token, and the fallback only
+        drafts from a little more than the window."""
         self._global_stale += tokens
-        if 2 * self._global_stale > self._global_tokens:
-            self._global = None
+        if self._next_global is not None:
+            self._next_stale += tokens  # the replacement holds them too (added, or still to add)
+        elif 2 * self._global_stale > self._global_tokens:
+            self._next_global = SuffixAutomaton()
+            self._next_queue = deque((entry.prompt, rollout.tokens) for entry in self._prompts.values()
+                                     for rollout in entry.rollouts)
+            self._next_tokens = self._next_stale = 0
+
+    def _build_next_global(self, budget: int) -> None:
+        """Add rollouts to the replacement until ``budget`` tokens (one at least); once it holds
+        them all it becomes the cross-prompt index."""
+        index = self._next_global
+        if index is None:
+            return
+        queue = self._next_queue
+        while queue:
+            prompt, tokens = queue.popleft()
+            index.add_sequence(self.sequence(prompt, tokens))
+            self._next_tokens += len(tokens)
+            budget -= len(tokens)
+            if budget <= 0:
+                break
+        if not queue:
+            self._global, self._global_tokens, self._global_stale = index, self._next_tokens, self._next_stale
+            self._next_global = None
+            self.global_builds += 1
             self.layout += 1
 
     def _trim_window(self, entry: PromptHistory) -> int:
@@ -303,6 +345,7 @@ class RolloutHistory:
         self._live_prompt.clear()
         self._stored = 0
         self._global, self._global_tokens, self._global_stale = None, 0, 0
+        self._next_global, self._next_queue, self._next_tokens, self._next_stale = None, deque(), 0, 0
         self.layout += 1
 
     def restore(self, exported: list[list]) -> None:

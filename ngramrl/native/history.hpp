@@ -23,6 +23,10 @@ namespace ngramrl {
 
 using Tokens = std::vector<int32_t>;
 
+// history.py's REBUILD_PACE: a stored rollout adds this many times its tokens to the cross-prompt
+// index's replacement while one is built.
+constexpr int64_t kRebuildPace = 4;
+
 struct HistoryConfig {
     int64_t rollouts_per_prompt = 64;
     int64_t epochs_kept = 4;
@@ -136,10 +140,12 @@ public:
         } else if (index_it && entry->index) {
             add_indexed(*entry->index, entry->prompt, tokens);
         }
-        if (global_) global_evicted(evicted);
         if (global_) {
+            if (next_global_) queue_next(entry->prompt, tokens);
+            global_evicted(evicted);  // a replacement it starts finds this rollout in the window
             add_indexed(*global_, entry->prompt, tokens);
             global_tokens_ += static_cast<int64_t>(tokens.size());
+            build_next_global(kRebuildPace * static_cast<int64_t>(tokens.size()));
         } else if (index_it) {
             layout += 1;
         }
@@ -237,6 +243,9 @@ public:
         global_.reset();
         global_tokens_ = 0;
         global_stale_ = 0;
+        next_global_.reset();
+        next_queue_.clear();
+        next_tokens_ = next_stale_ = 0;
         layout += 1;
     }
 
@@ -255,6 +264,8 @@ public:
             if (p.index) bytes += p.index->memory_bytes() + kHeap;
         }
         if (global_) bytes += global_->memory_bytes() + kHeap;
+        if (next_global_) bytes += next_global_->memory_bytes() + kHeap;
+        for (const auto& q : next_queue_) bytes += sizeof(QueuedRollout) + q.sequence.capacity() * 4 + kHeap;
         return bytes;
     }
 
@@ -264,11 +275,55 @@ private:
     std::unique_ptr<Automaton> global_;
     int64_t global_tokens_ = 0;
     int64_t global_stale_ = 0;
+    // The cross-prompt index's replacement while it is built (history.py's _next_*): the index so
+    // far, the rollouts still to add (their indexed sequences, copied: a rollout may leave its
+    // window before it is added), and its own counts.
+    struct QueuedRollout {
+        Tokens sequence;
+        int64_t tokens;  // the rollout's own (the sequence less the prompt tail)
+    };
+    std::unique_ptr<Automaton> next_global_;
+    std::deque<QueuedRollout> next_queue_;
+    int64_t next_tokens_ = 0;
+    int64_t next_stale_ = 0;
 
+    void queue_next(const Tokens& prompt, const Tokens& tokens) {
+        QueuedRollout queued{{}, static_cast<int64_t>(tokens.size())};
+        sequence(prompt, tokens.data(), tokens.size(), queued.sequence);
+        next_queue_.push_back(std::move(queued));
+    }
+
+    // RolloutHistory._global_evicted
     void global_evicted(int64_t tokens) {
         global_stale_ += tokens;
-        if (2 * global_stale_ > global_tokens_) {
-            global_.reset();
+        if (next_global_) {
+            next_stale_ += tokens;
+        } else if (2 * global_stale_ > global_tokens_) {
+            next_global_ = std::make_unique<Automaton>();
+            next_queue_.clear();
+            for (Prompt* entry : lru_)
+                for (const auto& r : entry->rollouts) queue_next(entry->prompt, r.tokens);
+            next_tokens_ = next_stale_ = 0;
+        }
+    }
+
+    // RolloutHistory._build_next_global
+    void build_next_global(int64_t budget) {
+        if (!next_global_) return;
+        while (!next_queue_.empty()) {
+            const QueuedRollout& queued = next_queue_.front();
+            next_global_->add_sequence(queued.sequence);
+            next_tokens_ += queued.tokens;
+            budget -= queued.tokens;
+            next_queue_.pop_front();
+            if (budget <= 0) break;
+        }
+        if (next_queue_.empty()) {
+            next_global_->shrink();
+            global_ = std::move(next_global_);
+            global_tokens_ = next_tokens_;
+            global_stale_ = next_stale_;
+            global_builds += 1;
             layout += 1;
         }
     }

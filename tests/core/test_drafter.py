@@ -227,6 +227,33 @@ def test_cross_prompt_index_is_rebuilt_rarely_as_windows_move_on():
     assert fresh.match([100 + 11])[1] == 1 and fresh.match([100 + 5])[1] == 0
 
 
+def test_a_stale_cross_prompt_index_is_replaced_while_rollouts_are_stored_never_by_a_lookup():
+    """Once evicted rollouts are half of the cross-prompt index, its replacement over the windows is
+    built a few rollouts at a time as rollouts are stored, while the old one serves: a lookup never
+    builds it (the whole window's build would land on one engine step), and the replacement holds
+    nothing that had left the windows when it started."""
+    history = RolloutHistory(HistoryConfig(epochs_kept=1, prompt_tail=0))
+    prompts = {f"p{i}": [i] for i in range(20)}
+    for pid, prompt in prompts.items():
+        history.add_rollout(pid, prompt, [1000] + [int(pid[1:])] * 9, epoch=0)
+    in_use = history.global_index()  # the first build is at a lookup: nothing was there to serve
+    replaced, served_while_building = [], 0
+    for epoch in (1, 2, 3):
+        for pid, prompt in prompts.items():
+            history.add_rollout(pid, prompt, [1000 + epoch] + [int(pid[1:])] * 9, epoch=epoch)
+            builds = history.global_builds
+            index = history.global_index()
+            assert history.global_builds == builds, "a lookup built the cross-prompt index"
+            served_while_building += getattr(history, "_next_global", None) is not None
+            if index is not in_use:
+                replaced.append((epoch, index))
+                in_use = index
+    assert len(replaced) >= 2 and served_while_building >= 4, (replaced, served_while_building)
+    for epoch, index in replaced:  # what had left every window before the replacement started
+        assert index.match([1000 + epoch - 2])[1] == 0
+        assert index.match([1000 + epoch])[1] == 1
+
+
 def test_outcome_sources_are_the_prompt_index_then_the_cross_prompt_one():
     history, drafter = make()
     history.add_rollout("p", PROMPT, [10, 11], epoch=0)
