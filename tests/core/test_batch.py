@@ -367,27 +367,38 @@ def test_prefetched_draft_is_the_synchronous_one_and_is_dropped_when_an_index_ch
         assert hit.draft(0).tokens == outcomes.drafts.draft(0).tokens[:4]
 
 
+def run_with_a_window_moving_on(core, before_prefetch: bool) -> tuple[list[bool], set[int]]:
+    """Requests of prompts p and q step twice, each step's next drafts prefetched; between the
+    steps another request of q finishes in a new epoch, which moves q's window on (its epoch-0
+    rollout leaves, its index is rebuilt): before the first step's prefetch, or after it. Returns
+    which rows the second step found prefetched, and the rows its own prefetch covered."""
+    core.add_rollout("p", [9], [1, 2, 3, 4, 5, 6, 1, 2, 7, 8], 0)
+    core.add_rollout("q", [8], [1, 2, 3, 4, 5, 6, 1, 2, 7, 8], 0)
+    h, g = core.start("p", [9], []), core.start("q", [8], [])
+    leaving = core.start("q", [8], [5, 5])
+    first = core.step([h, g], [1, 1], [0, 1, 2], [4, 4])
+    if before_prefetch:
+        core.finish(leaving, epoch=1)
+    core.prefetch([h, g], first.tokens, first.offsets, first.probs, 4, absorb=[h, g])
+    outcomes = outcomes_by_row(core.collect())
+    assert set(outcomes) == {0, 1}, type(core).__name__
+    if not before_prefetch:
+        core.finish(leaving, epoch=1)
+    commits = [first.draft(row).tokens[:outcomes[row][0][0]] + [outcomes[row][0][1]] for row in (0, 1)]
+    second = core.step([h, g], commits[0] + commits[1], [0, len(commits[0]), len(commits[0]) + len(commits[1])],
+                       [4, 4])
+    core.prefetch([h, g], second.tokens, second.offsets, second.probs, 4, absorb=[h, g])
+    return second.prefetched.tolist(), set(outcomes_by_row(core.collect()))
+
+
 def test_a_prompts_window_moving_on_drops_only_its_own_requests_prefetched_drafts():
     """In RL every prompt's window moves on once an epoch (its first finished rollout of the new
     epoch evicts the oldest epoch's): that prompt's index is rebuilt, and its requests' prefetched
     drafts are stale, but other prompts' requests keep theirs and stay readable for the prefetch."""
     for core in pair(HistoryConfig(prompt_tail=0, epochs_kept=1), DrafterConfig(use_global=False),
                      PrefetchConfig(budget=4)):
-        core.add_rollout("p", [9], [1, 2, 3, 4, 5, 6, 1, 2, 7, 8], 0)
-        core.add_rollout("q", [8], [1, 2, 3, 4, 5, 6, 1, 2, 7, 8], 0)
-        h, g = core.start("p", [9], []), core.start("q", [8], [])
-        leaving = core.start("q", [8], [5, 5])
-        first = core.step([h, g], [1, 1], [0, 1, 2], [4, 4])
-        core.prefetch([h, g], first.tokens, first.offsets, first.probs, 4, absorb=[h, g])
-        outcomes = outcomes_by_row(core.collect())
-        assert set(outcomes) == {0, 1}
-        core.finish(leaving, epoch=1)  # q's window moves on: its epoch-0 rollout leaves, its index is rebuilt
-        commits = [first.draft(row).tokens[:outcomes[row][0][0]] + [outcomes[row][0][1]] for row in (0, 1)]
-        second = core.step([h, g], commits[0] + commits[1],
-                           [0, len(commits[0]), len(commits[0]) + len(commits[1])], [4, 4])
-        assert second.prefetched.tolist() == [True, False], type(core).__name__
-        core.prefetch([h, g], second.tokens, second.offsets, second.probs, 4, absorb=[h, g])
-        assert set(outcomes_by_row(core.collect())) == {0, 1}
+        assert run_with_a_window_moving_on(core, before_prefetch=False) == ([True, False], {0, 1}), \
+            type(core).__name__
 
 
 def test_a_request_whose_prompts_window_moved_on_during_a_step_is_prefetched_from_the_new_index():
@@ -396,19 +407,8 @@ def test_a_request_whose_prompts_window_moved_on_during_a_step_is_prefetched_fro
     covers it, and the next step takes its prefetched draft."""
     for core in pair(HistoryConfig(prompt_tail=0, epochs_kept=1), DrafterConfig(use_global=False),
                      PrefetchConfig(budget=4)):
-        core.add_rollout("p", [9], [1, 2, 3, 4, 5, 6, 1, 2, 7, 8], 0)
-        core.add_rollout("q", [8], [1, 2, 3, 4, 5, 6, 1, 2, 7, 8], 0)
-        h, g = core.start("p", [9], []), core.start("q", [8], [])
-        leaving = core.start("q", [8], [5, 5])
-        first = core.step([h, g], [1, 1], [0, 1, 2], [4, 4])
-        core.finish(leaving, epoch=1)  # q's window moves on before the prefetch: its index is rebuilt
-        core.prefetch([h, g], first.tokens, first.offsets, first.probs, 4, absorb=[h, g])
-        outcomes = outcomes_by_row(core.collect())
-        assert set(outcomes) == {0, 1}, type(core).__name__
-        commits = [first.draft(row).tokens[:outcomes[row][0][0]] + [outcomes[row][0][1]] for row in (0, 1)]
-        second = core.step([h, g], commits[0] + commits[1],
-                           [0, len(commits[0]), len(commits[0]) + len(commits[1])], [4, 4])
-        assert second.prefetched.tolist() == [True, True], type(core).__name__
+        assert run_with_a_window_moving_on(core, before_prefetch=True) == ([True, True], {0, 1}), \
+            type(core).__name__
 
 
 def test_a_stopped_prefetch_leaves_its_drafts_to_the_next_step():
