@@ -166,10 +166,8 @@ class NgramDrafter:
             index = self.history.index_of(request.prompt_id)
             if index is None or not self.history.is_live(request.prompt_id, request.request_id):
                 return  # its prompt was evicted: ``index`` finds out at the next lookup
-            request.index, request.layout = index, self.history.layout
-            cursor = self.history.cursor(request.prompt_id, request.request_id)
-            request.match = MatchState(cursor, index.length[cursor])
-            request.behind = []
+            request.layout = self.history.layout
+            self._hold(request, index)
 
     def finish(self, request: RequestState, epoch: int | None = None, linger: bool = False) -> None:
         """The request ended: keep its output as a finished rollout of ``epoch``, or drop it (None;
@@ -187,6 +185,14 @@ class NgramDrafter:
         return (request.layout == self.history.layout and request.index is not None
                 and self.history.current_index(request.prompt_id) is request.index)
 
+    def _hold(self, request: RequestState, index: SuffixAutomaton) -> None:
+        """The request takes ``index`` (its prompt's, where it is live): its match state is its own
+        sequence's end state there, advanced over the tokens not inserted yet."""
+        request.index = index
+        cursor = self.history.cursor(request.prompt_id, request.request_id)
+        request.match = advance(index, MatchState(cursor, index.length[cursor]), request.pending)
+        request.behind = []
+
     def index(self, request: RequestState) -> SuffixAutomaton | None:
         """The prompt's current index; the match state is recomputed if the index was rebuilt. If
         the prompt was evicted meanwhile, the request goes on without drafts (None)."""
@@ -199,10 +205,7 @@ class NgramDrafter:
             request.index = None
             return None
         if index is not request.index:
-            request.index = index
-            cursor = self.history.cursor(request.prompt_id, request.request_id)
-            request.match = advance(index, MatchState(cursor, index.length[cursor]), request.pending)
-            request.behind = []
+            self._hold(request, index)
         return index
 
     def outcome_sources(self, request: RequestState) -> list[tuple[SuffixAutomaton, MatchState]]:

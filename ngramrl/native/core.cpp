@@ -1037,14 +1037,16 @@ private:
             r.index_serial = 0;
             return nullptr;
         }
-        if (idx->serial != r.index_serial) {
-            r.index = idx;
-            r.index_serial = idx->serial;
-            const int32_t cursor = live->cursor;
-            r.ls.match = idx->advance(Match{cursor, (*idx)[cursor].length}, r.pending.data(), r.pending.size());
-            r.ls.behind.clear();
-        }
+        if (idx->serial != r.index_serial) hold(r, idx, *live);
         return idx;
+    }
+
+    // NgramDrafter._hold: the request takes ``idx``, its prompt's index where it is ``live``.
+    void hold(Request& r, Automaton* idx, const LiveSequence& live) {
+        r.index = idx;
+        r.index_serial = idx->serial;
+        r.ls.match = idx->advance(Match{live.cursor, (*idx)[live.cursor].length}, r.pending.data(), r.pending.size());
+        r.ls.behind.clear();
     }
 
     // NgramDrafter.commit (the absorb it starts with has nothing to do after the step's absorb)
@@ -1077,11 +1079,8 @@ private:
         LiveSequence* live = entry->find_live(r.handle);
         if (live == nullptr) return;
         r.entry = entry;
-        r.index = idx;
-        r.index_serial = idx->serial;
         r.layout = history_.layout;
-        r.ls.match = Match{live->cursor, (*idx)[live->cursor].length};
-        r.ls.behind.clear();
+        hold(r, idx, *live);
     }
 
     void absorb_one(Request& r) {
