@@ -680,6 +680,42 @@ def committed_rows(sampled: list[list[int]], arrival: np.ndarray, num_tokens: An
                          whole)
 
 
+
+
+def batch_ranks(ids: Sequence[Any], known: dict[Any, int], missing: int, last_ids: Sequence[Any] = (),
+                last_ranks: Any = ()) -> tuple[np.ndarray, list[int], list[int], list[Any]]:
+    """A vLLM step's request ids as arrival ranks, given the last step's ids and ranks: (ranks,
+    misses, entered, left). An id that is the very object at its position in ``last_ids`` keeps
+    its rank there; the others (``entered``: their positions) are looked up in ``known``, and get
+    ``missing`` where absent (``misses``: their positions). ``left``: the ids of ``last_ids`` that
+    are nowhere in ``ids`` (by identity), in order. A batch keeps most ids where they were: after
+    a forward each id, dict entry and rank touched is a cache miss, so only the changed positions
+    are looked up. One C++ pass where the native core is built."""
+    native = native_module() if isinstance(ids, (tuple, list)) and isinstance(last_ids, (tuple, list)) else None
+    if native is not None and type(known) is dict:  # it converts the ranks itself (each NumPy call costs)
+        ranks, misses, entered, left = native.batch_ranks(ids, known, int(missing), last_ids, last_ranks)
+        return ranks, misses, entered, left
+    last_ranks = np.asarray(last_ranks, dtype=np.int64).reshape(-1)
+    if len(last_ranks) != len(last_ids):
+        raise ValueError(f"batch_ranks: {len(last_ranks)} last ranks for {len(last_ids)} last ids")
+    ranks = np.empty(len(ids), dtype=np.int64)
+    misses: list[int] = []
+    entered: list[int] = []
+    for i, request_id in enumerate(ids):
+        if i < len(last_ids) and request_id is last_ids[i]:
+            ranks[i] = last_ranks[i]
+            continue
+        entered.append(i)
+        if request_id in known:
+            ranks[i] = known[request_id]
+        else:
+            ranks[i] = missing
+            misses.append(i)
+    came = {id(ids[i]) for i in entered}
+    left = [request_id for i, request_id in enumerate(last_ids)
+            if not (i < len(ids) and ids[i] is request_id) and id(request_id) not in came]
+    return ranks, misses, entered, left
+
 def make_core(history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
               prefetch: PrefetchConfig | None = None, threads: int = 1, native: bool | None = None,
               follow: bool = False) -> DraftingCore:

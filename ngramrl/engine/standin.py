@@ -12,18 +12,57 @@ from types import SimpleNamespace
 from typing import Any
 
 
+class StandInBatch:
+    """vLLM's persistent input batch as far as its request ids go (``InputBatch``): a request that
+    leaves frees its row, one that joins takes the lowest free row (else a new last row), and
+    before a step is read the last rows move down into the rows still free (``condense``). Rows
+    otherwise stay where they are from step to step, which the proposer relies on for speed."""
+
+    def __init__(self) -> None:
+        self._rows: list[str | None] = []
+        self._free: list[int] = []
+
+    @property
+    def req_ids(self) -> list[str]:
+        """The batch's rows in order, condensed (vLLM hands the proposer a condensed batch)."""
+        self._free.sort()
+        while self._free:
+            while self._rows and self._rows[-1] is None:
+                self._rows.pop()
+            hole = self._free[0]
+            if hole >= len(self._rows):
+                self._free.clear()
+                break
+            self._free.pop(0)
+            self._rows[hole] = self._rows.pop()
+        return self._rows  # type: ignore[return-value]
+
+    def add(self, req_id: str) -> None:
+        if self._free:
+            self._free.sort()
+            self._rows[self._free.pop(0)] = req_id
+        else:
+            self._rows.append(req_id)
+
+    def remove(self, req_id: str) -> None:
+        row = self._rows.index(req_id)
+        self._rows[row] = None
+        self._free.append(row)
+
+
 class StandInRunner:
     """vLLM's model runner as a proposer sees it: ``input_batch.req_ids`` (the batch's rows in
     order) and ``requests[req_id]`` with ``sampling_params.extra_args``, ``prompt_token_ids`` and
     ``output_token_ids`` (the tokens generated so far, extended by whoever drives the steps)."""
 
     def __init__(self) -> None:
-        self.input_batch = SimpleNamespace(req_ids=[])
+        self.input_batch = StandInBatch()
         self.requests: dict[str, SimpleNamespace] = {}
 
     def add(self, req_id: str, prompt_id: str | None, prompt: list[int], epoch: int | None = None) -> SimpleNamespace:
-        """A request joins the batch (as its last row). Its prompt id and epoch reach the proposer as
-        ``extra_args`` the way ``SamplingParams(extra_args=...)`` carries them; None: a request without."""
+        """A request joins the batch (in the lowest free row, else as its last row). Its prompt id
+        and epoch reach the proposer as ``extra_args`` the way ``SamplingParams(extra_args=...)``
+        carries them; None: a request without."""
         if req_id in self.requests:
             raise ValueError(f"request {req_id!r} is already in the batch")
         extra: dict[str, Any] = {} if prompt_id is None else {"prompt_id": prompt_id}
@@ -32,12 +71,23 @@ class StandInRunner:
         request = SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra),
                                   prompt_token_ids=list(prompt), output_token_ids=[])
         self.requests[req_id] = request
-        self.input_batch.req_ids.append(req_id)
+        self.input_batch.add(req_id)
         return request
 
     def remove(self, req_id: str) -> None:
+        """The request finished: it leaves the batch and the runner."""
         del self.requests[req_id]
-        self.input_batch.req_ids.remove(req_id)
+        self.input_batch.remove(req_id)
+
+    def preempt(self, req_id: str) -> None:
+        """The request is not scheduled: it leaves the batch, the runner keeps it."""
+        self.input_batch.remove(req_id)
+
+    def resume(self, req_id: str) -> None:
+        """A preempted request is scheduled again."""
+        if req_id not in self.requests:
+            raise ValueError(f"request {req_id!r} is not in the runner")
+        self.input_batch.add(req_id)
 
 
 def standin_vllm_config(num_speculative_tokens: int, eos_token_ids: tuple[int, ...] = (),

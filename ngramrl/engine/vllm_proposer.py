@@ -15,7 +15,6 @@ reaches the engine process; ``RolloutEngine`` sets it.
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import os
 import statistics
@@ -28,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
-from ngramrl.core.batch import DraftBatch, committed_rows
+from ngramrl.core.batch import DraftBatch, batch_ranks, committed_rows
 from ngramrl.core.cost import StepCostModel, drafting_pays
 from ngramrl.engine.sources import CoreSource, DraftSource, StepRows
 
@@ -39,6 +38,7 @@ PROBE_TOKENS = (1, 4)  # draft tokens verified by the probes while drafting is o
 # what it costs per step.
 COST_REFIT_EVERY = 4
 UNSEEN, NO_PROMPT = -2, -1  # arrival ranks of a request not admitted yet, and of one without a prompt id
+NO_RANKS = np.zeros(0, dtype=np.int64)
 OWN_TIME_DECAY = 0.9  # the weight of the earlier steps in the proposer's own time and its lookups' yield
 
 
@@ -250,6 +250,9 @@ class NgramRLProposer:
         self._last_batch: tuple[str, ...] = ()
         self._sent: tuple[np.ndarray, np.ndarray] = (np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
         self._batch_states: tuple[tuple[str, ...], Any, np.ndarray] | None = None
+        # Requests admitted that are not in the batch (finished, or not scheduled this step):
+        # only these can have left the runner, so only these are looked for there.
+        self._outside: dict[str, None] = {}
         self._verified_tokens = 0               # draft tokens the last step's forward verified
         self._step_started: float | None = None
         # Lookups back off while the cost model keeps nothing: after the n-th lookup step in a
@@ -434,17 +437,21 @@ class NgramRLProposer:
 
     def _states(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray]:
         """Each row's drafting state (the core's handles as an array; the pool's requests) and its
-        arrival rank (NO_PROMPT: a request without a prompt id). New requests are admitted here."""
-        if self._batch_states is not None and self._batch_states[0] == batch:
-            return self._batch_states[1:]
-        # In Python until one array at the end: after a forward each NumPy call costs microseconds.
-        ranks = list(map(self._arrival.get, batch, itertools.repeat(UNSEEN)))
-        if UNSEEN in ranks:
-            new = [row for row, rank in enumerate(ranks) if rank == UNSEEN]
+        arrival rank (NO_PROMPT: a request without a prompt id). New requests are admitted here;
+        those that left the batch are noted for ``_retire``."""
+        last = self._batch_states
+        if last is not None and last[0] == batch:
+            return last[1:]
+        last_batch, last_arrival = (last[0], last[2]) if last is not None else ((), NO_RANKS)
+        arrival, new, entered, left = batch_ranks(batch, self._arrival, UNSEEN, last_batch, last_arrival)
+        if self._outside:
+            for row in entered:
+                self._outside.pop(batch[row], None)
+        self._outside.update(dict.fromkeys(left))
+        if new:
             self._admit([batch[row] for row in new], [sampled_token_ids[row] for row in new])
             for row in new:
-                ranks[row] = self._arrival[batch[row]]
-        arrival = np.array(ranks, dtype=np.int64)
+                arrival[row] = self._arrival[batch[row]]
         # The core's handles are the ranks (one array, passed to every step as it is).
         states = arrival if self.core is not None else [self.requests[req_id] for req_id in batch]
         self._batch_states = (batch, states, arrival)
@@ -569,14 +576,15 @@ class NgramRLProposer:
             self.epochs[req_id] = epoch
 
     def _retire(self, live: dict[str, Any]) -> None:
-        """Requests that left the runner are finished, in the order they came: their outputs become
-        rollouts of their epoch."""
-        gone = [req_id for req_id in self.requests if req_id not in live]
+        """Requests that left the batch and the runner are finished, in the order they came: their
+        outputs become rollouts of their epoch."""
+        gone = [req_id for req_id in self._outside if req_id not in live]
         if not gone:
             return
-        self._batch_states = None
+        gone.sort(key=self._arrival.__getitem__)
         ending, epochs = [], []
         for req_id in gone:
+            del self._outside[req_id]
             request = self.requests.pop(req_id)
             epoch = self.epochs.pop(req_id, 0)
             del self._arrival[req_id]

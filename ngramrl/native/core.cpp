@@ -1549,12 +1549,14 @@ using namespace ngramrl;
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
-    // What ngramrl.core.extension checks for: Core has continuations (the newest interface change).
-    m.attr("ranks_continuations") = true;
+    // What ngramrl.core.extension checks for: batch_ranks exists (the newest interface change).
+    m.attr("batch_ranks_interface") = true;
     // xtx and xty are updated in place: an array that would need converting is refused, not copied
     m.def("step_cost_fold", &step_cost_fold, py::arg("xtx").noconvert(), py::arg("xty").noconvert(), py::arg("yty"),
           py::arg("observed"), py::arg("knees"), py::arg("decay"));
     m.def("step_cost_solve", &step_cost_solve, py::arg("xtx"), py::arg("xty"), py::arg("yty"), py::arg("ridge"));
+    m.def("batch_ranks", &batch_ranks, py::arg("ids"), py::arg("known"), py::arg("missing"), py::arg("last_ids"),
+          py::arg("last_ranks"));
     m.def("committed_rows", &committed_rows, py::arg("sampled"), py::arg("arrival"), py::arg("num_tokens"),
           py::arg("max_model_len"), py::arg("k"), py::arg("sent_ranks"), py::arg("sent_lengths"));
     m.def("truncate_rows", &truncate_rows, py::arg("tokens"), py::arg("offsets"), py::arg("probs"), py::arg("keep"),

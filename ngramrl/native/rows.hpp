@@ -45,6 +45,60 @@ inline void copy_tokens(const py::list& lists, const int64_t* at, int64_t n, con
     }
 }
 
+// A tuple's or a list's items (borrowed) and their count.
+inline PyObject* const* sequence_items(const py::handle& seq, Py_ssize_t& n, const char* what) {
+    if (PyTuple_Check(seq.ptr()) || PyList_Check(seq.ptr())) {
+        n = PySequence_Fast_GET_SIZE(seq.ptr());
+        return PySequence_Fast_ITEMS(seq.ptr());
+    }
+    throw py::type_error(std::string("batch_ranks: ") + what + " are not a tuple or a list");
+}
+
+// ngramrl.core.batch.batch_ranks: a step's ids as ranks, (ranks, misses, entered, left). An id
+// that is the very object at its position in the last step's ids keeps its rank there; the others
+// (``entered``, their positions) are looked up in ``known``, ``missing`` and listed in ``misses``
+// where absent; ``left``: the last step's ids that are nowhere in this step's ids (by identity).
+// After a forward every id, dict entry and rank object is a cache miss (about 200 ns an id at 256
+// rows), and a batch keeps most ids where they were: only its two pointer arrays are read for those.
+inline py::tuple batch_ranks(const py::handle& ids, const py::dict& known, int64_t missing, const py::handle& last_ids,
+                             const I64& last_ranks) {
+    Py_ssize_t n = 0, n_last = 0;
+    PyObject* const* now = sequence_items(ids, n, "the ids");
+    PyObject* const* before = sequence_items(last_ids, n_last, "the last ids");
+    if (last_ranks.size() != n_last)
+        throw py::value_error("batch_ranks: " + std::to_string(last_ranks.size()) + " last ranks for " +
+                              std::to_string(n_last) + " last ids");
+    const int64_t* kept = last_ranks.data();
+    py::array_t<int64_t> ranks(n);
+    int64_t* out = ranks.mutable_data();
+    py::list misses, entered;
+    std::vector<PyObject*> came;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        if (i < n_last && now[i] == before[i]) {
+            out[i] = kept[i];
+            continue;
+        }
+        entered.append(py::int_(i));
+        came.push_back(now[i]);
+        PyObject* value = PyDict_GetItemWithError(known.ptr(), now[i]);
+        if (value == nullptr) {
+            if (PyErr_Occurred()) throw py::error_already_set();
+            out[i] = missing;
+            misses.append(py::int_(i));
+            continue;
+        }
+        const long long rank = PyLong_AsLongLong(value);
+        if (rank == -1 && PyErr_Occurred()) throw py::error_already_set();
+        out[i] = rank;
+    }
+    std::sort(came.begin(), came.end());
+    py::list left;
+    for (Py_ssize_t i = 0; i < n_last; ++i)
+        if (!(i < n && now[i] == before[i]) && !std::binary_search(came.begin(), came.end(), before[i]))
+            left.append(py::reinterpret_borrow<py::object>(before[i]));
+    return py::make_tuple(ranks, misses, entered, left);
+}
+
 // ngramrl.core.batch.committed_rows: the rows with an arrival rank (>= 0) and sampled tokens, in
 // arrival order, as (index, ranks, tokens, offsets, ks, accepted, rows with room, in batch order).
 // Row r of the last step (rank sent_ranks[r]) was sent sent_offsets[r + 1] - sent_offsets[r] draft tokens.

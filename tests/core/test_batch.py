@@ -26,6 +26,7 @@ from ngramrl.core.batch import (
     OutcomeBatch,
     ReferenceCore,
     as_rows,
+    batch_ranks,
     committed_rows,
     make_core,
 )
@@ -800,6 +801,46 @@ def test_committed_rows_are_the_rows_with_a_prompt_and_tokens_in_arrival_order(n
     with pytest.raises(ValueError, match="int32"):
         committed_rows([[1 << 40]], np.array([0]), [0], 100, 8, none, np.zeros(1, dtype=np.int64))
 
+
+
+
+def test_batch_ranks_look_up_only_the_ids_that_moved_and_name_those_that_left(native_path):
+    """A vLLM step's request ids to arrival ranks, from the last step's: an id that is the same
+    object at the same position keeps its last rank (no lookup); the others are looked up
+    (``missing`` and listed where unknown); the last step's ids that are nowhere now have left.
+    The batches change as vLLM changes them: finished rows removed, the last rows moved into their
+    places, new and returning requests appended."""
+    rng = random.Random(11)
+    pool = [f"req-{i}" for i in range(400)]  # one object per id, as vLLM keeps them
+    known: dict[str, int] = {}
+    last: list[str] = []
+    last_ranks = np.zeros(0, dtype=np.int64)
+    for trial in range(60):
+        now = [i for i in last if rng.random() > 0.1]
+        holes = sorted(rng.sample(range(len(now) + 1), min(len(now) + 1, rng.randrange(0, 4))))
+        for hole in holes:  # condense: the last row moves into a hole
+            if hole < len(now) - 1:
+                now[hole] = now.pop()
+        now += [rng.choice(pool) for _ in range(rng.randrange(0, 6))]
+        now = list(dict.fromkeys(now))
+        batch = tuple(now) if trial % 2 else now
+        ranks, misses, entered, left = batch_ranks(batch, known, -2, tuple(last), last_ranks)
+        same = [i < len(last) and now[i] is last[i] for i in range(len(now))]
+        assert entered == [i for i in range(len(now)) if not same[i]]
+        assert misses == [i for i in entered if now[i] not in known]
+        assert ranks.dtype == np.int64 and ranks.tolist() == [
+            int(last_ranks[i]) if same[i] else known.get(now[i], -2) for i in range(len(now))]
+        assert left == [i for i in last if i not in now]
+        for i in misses:
+            known[now[i]] = rng.choice([-1, len(known)])
+            ranks[i] = known[now[i]]
+        last, last_ranks = now, ranks
+    kept, *_ = batch_ranks(("a", "b"), {"a": 5, "b": 6}, -2, ("a", "b"), np.array([1, 2]))
+    assert kept.tolist() == [1, 2]  # the same objects at the same places: the last ranks, no lookup
+    with pytest.raises((TypeError, ValueError)):  # a rank that is not an int
+        batch_ranks(("a",), {"a": "not a rank"}, -2)
+    with pytest.raises(ValueError, match="last ranks"):
+        batch_ranks(("a",), {"a": 1}, -2, ("a", "b"), np.array([1]))
 
 def test_for_target_gives_the_truncated_drafts_as_vllm_lists_and_counts_the_tokens_kept(native_path):
     rng = random.Random(8)

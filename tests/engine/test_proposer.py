@@ -258,6 +258,33 @@ def test_requests_that_join_together_and_leave_together_each_draft_and_end_as_th
     assert epochs == {"p": [0, 1], "q": [0, 2, 3]}
 
 
+
+def test_a_request_out_of_the_batch_but_in_the_runner_is_not_finished(monkeypatch):
+    """vLLM keeps a request it did not schedule this step (preempted, waiting) in its runner's
+    requests and out of the batch: it is no rollout yet. Back in the batch it drafts on from its
+    own tokens; out of the batch and the runner, it ends as a rollout, with the requests that left
+    in the same step, in the order they came."""
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), adaptive_length=False,
+                                        drafter=DrafterConfig(use_global=False))
+    proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 102, 103, 104, 105], epoch=0)
+    for req_id in ("a", "b", "c"):
+        runner.add(req_id, "p", [1, 2, 3], epoch=1)
+    assert proposer.propose([[100], [100], [100]], [10] * 3, None) == [[101, 102, 103, 104]] * 3
+    runner.preempt("b")  # not scheduled: still in runner.requests
+    proposer.propose([[101], [9]], [10] * 2, None)
+    assert proposer.stats.finished_rollouts == 0
+    runner.resume("b")  # b is back
+    assert proposer.propose([[102], [9], [101]], [10] * 3, None)[2] == [102, 103, 104, 105]
+    assert proposer.stats.finished_rollouts == 0
+    for req_id in ("c", "b", "a"):
+        runner.remove(req_id)
+    proposer.propose([], [], None)
+    assert proposer.stats.finished_rollouts == 3
+    outputs = [output for prompt_id, _, rollouts in proposer.core.export() if prompt_id == "p"
+               for _, output in rollouts][1:]
+    assert outputs == [[100, 101, 102], [100, 101], [100, 9, 9]]  # a, b, c: the order they came
+
+
 def test_a_request_that_finishes_leaves_the_others_prefetched_drafts_valid(monkeypatch):
     """A finished request's rollout enters the history (and the cross-prompt index) in the step
     that sees it gone, before that step's prefetch: the drafts prefetched for the other requests
