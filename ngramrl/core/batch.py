@@ -680,8 +680,6 @@ def committed_rows(sampled: list[list[int]], arrival: np.ndarray, num_tokens: An
                          whole)
 
 
-
-
 def batch_ranks(ids: Sequence[Any], known: dict[Any, int], missing: int, last_ids: Sequence[Any] = (),
                 last_ranks: Any = ()) -> tuple[np.ndarray, list[int], list[int], list[Any]]:
     """A vLLM step's request ids as arrival ranks, given the last step's ids and ranks: (ranks,
@@ -715,6 +713,7 @@ def batch_ranks(ids: Sequence[Any], known: dict[Any, int], missing: int, last_id
     left = [request_id for i, request_id in enumerate(last_ids)
             if not (i < len(ids) and ids[i] is request_id) and id(request_id) not in came]
     return ranks, misses, entered, left
+
 
 def make_core(history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
               prefetch: PrefetchConfig | None = None, threads: int = 1, native: bool | None = None,
