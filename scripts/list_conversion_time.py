@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, ".")
 
-from ngramrl.core.batch import DraftBatch, committed_rows  # noqa: E402
+from ngramrl.core.rows import DraftBatch, committed_rows  # noqa: E402
 
 
 def timed(call, flush: np.ndarray) -> dict[str, float]:

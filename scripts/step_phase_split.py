@@ -22,7 +22,7 @@ sys.path.insert(0, ".")
 from ngramrl.bench.bench_steps import default_profile  # noqa: E402
 from ngramrl.bench.steps import build_engine, copies_for, prepare_workload, summarize_steps  # noqa: E402
 from ngramrl.config import EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig  # noqa: E402
-from ngramrl.core.batch import DraftBatch  # noqa: E402
+from ngramrl.core.rows import DraftBatch  # noqa: E402
 from ngramrl.core.trace import read_trace  # noqa: E402
 from ngramrl.engine import vllm_proposer  # noqa: E402
 

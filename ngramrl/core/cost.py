@@ -290,3 +290,19 @@ def _best_first(survival: Sequence[Sequence[float]]) -> Iterator[tuple[float, in
         yield -negative, r, i
         if i + 1 < len(survival[r]):
             heapq.heappush(heap, (-survival[r][i + 1], r, i + 1))
+
+
+def checked_fit(fit: Sequence[float]) -> tuple[float, float, float, float, int]:
+    """A ``StepCostModel.fit`` tuple, checked: (base, per request, per token, per verify, knee)."""
+    if len(fit) != 5:
+        raise ValueError(f"a step-cost fit is (base, per request, per token, per verify, knee), got {tuple(fit)}")
+    base, per_request, per_token, per_verify, knee = fit
+    if knee < 0 or knee != int(knee):
+        raise ValueError(f"the step-cost fit's knee must be a whole number of tokens >= 0, got {knee}")
+    return float(base), float(per_request), float(per_token), float(per_verify), int(knee)
+
+
+def step_cost(fit: Sequence[float]) -> FixedStepCost:
+    """The step-cost model a ``StepCostModel.fit`` tuple describes."""
+    *coefficients, knee = checked_fit(fit)
+    return FixedStepCost(*coefficients, knee)

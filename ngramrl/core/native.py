@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
-from ngramrl.core.batch import SOURCES, DraftBatch, OutcomeBatch, checked_fit
+from ngramrl.core.cost import checked_fit
 from ngramrl.core.drafter import Draft
 from ngramrl.core.outcome import allocation
+from ngramrl.core.rows import SOURCES, DraftBatch, OutcomeBatch
 
 
 class NativeCore:

@@ -19,7 +19,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from ngramrl.config import DrafterConfig, NgramRLConfig
-from ngramrl.core.batch import DraftBatch, make_core
+from ngramrl.core.batch import make_core
+from ngramrl.core.rows import DraftBatch
 
 
 @dataclass

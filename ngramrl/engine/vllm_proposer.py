@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
-from ngramrl.core.batch import DraftBatch, batch_ranks, committed_rows
 from ngramrl.core.cost import StepCostModel, drafting_pays
+from ngramrl.core.rows import DraftBatch, batch_ranks, committed_rows
 from ngramrl.engine.sources import CoreSource, DraftSource, StepRows
 
 CONFIG_ENV = "NGRAMRL_CONFIG"

@@ -1,8 +1,9 @@
-// The engine's rows as arrays and back (ngramrl/core/batch.py: committed_rows, DraftBatch.truncated,
-// DraftBatch.lists, DraftBatch.for_target): what a vLLM step hands the proposer (one Python list
-// of sampled tokens per row) becomes the drafting core's flat arrays in one pass, and the drafts
-// become vLLM's lists in one pass. After a forward has flushed the caches each NumPy call costs
-// 10-30 us at a few hundred rows, so a step's array work is done here, not as a dozen NumPy calls.
+// The engine's rows as arrays and back (ngramrl/core/rows.py: committed_rows, batch_ranks,
+// DraftBatch.truncated, DraftBatch.lists, DraftBatch.for_target): what a vLLM step hands the
+// proposer (one Python list of sampled tokens per row) becomes the drafting core's flat arrays in
+// one pass, and the drafts become vLLM's lists in one pass. After a forward has flushed the caches
+// each NumPy call costs 10-30 us at a few hundred rows, so a step's array work is done here, not
+// as a dozen NumPy calls.
 #pragma once
 
 #include <pybind11/numpy.h>
@@ -54,7 +55,7 @@ inline PyObject* const* sequence_items(const py::handle& seq, Py_ssize_t& n, con
     throw py::type_error(std::string("batch_ranks: ") + what + " are not a tuple or a list");
 }
 
-// ngramrl.core.batch.batch_ranks: a step's ids as ranks, (ranks, misses, entered, left). An id
+// ngramrl.core.rows.batch_ranks: a step's ids as ranks, (ranks, misses, entered, left). An id
 // that is the very object at its position in the last step's ids keeps its rank there; the others
 // (``entered``, their positions) are looked up in ``known``, ``missing`` and listed in ``misses``
 // where absent; ``left``: the last step's ids that are nowhere in this step's ids (by identity).
@@ -99,7 +100,7 @@ inline py::tuple batch_ranks(const py::handle& ids, const py::dict& known, int64
     return py::make_tuple(ranks, misses, entered, left);
 }
 
-// ngramrl.core.batch.committed_rows: the rows with an arrival rank (>= 0) and sampled tokens, in
+// ngramrl.core.rows.committed_rows: the rows with an arrival rank (>= 0) and sampled tokens, in
 // arrival order, as (index, ranks, tokens, offsets, ks, accepted, rows with room, in batch order).
 // Row r of the last step (rank sent_ranks[r]) was sent sent_offsets[r + 1] - sent_offsets[r] draft tokens.
 inline py::tuple committed_rows(const py::list& sampled, const I64& arrival, const I64& num_tokens, int64_t max_model_len,

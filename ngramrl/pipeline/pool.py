@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 
 from ngramrl.config import DrafterConfig, NgramRLConfig
-from ngramrl.core.batch import DraftBatch, make_core
+from ngramrl.core.batch import make_core
 from ngramrl.core.drafter import Draft
 from ngramrl.core.history import RolloutHistory, checked_rollout
+from ngramrl.core.rows import DraftBatch
 from ngramrl.core.trace import Rollout
 from ngramrl.pipeline.journal import RolloutJournal
 

@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from ngramrl.config import PrefetchConfig
-from ngramrl.core.batch import DraftBatch, choose_lengths
+from ngramrl.core.batch import choose_lengths
 from ngramrl.core.drafter import EMPTY, Draft
 from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower
+from ngramrl.core.rows import DraftBatch
 from ngramrl.engine.sources import StepRows
 from ngramrl.engine.vllm_proposer import NgramRLProposer
 from ngramrl.pipeline.pool import PoolSettings, StepItem, StepReply, shard_of
