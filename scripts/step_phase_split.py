@@ -1,8 +1,9 @@
 """Where the proposer's time goes at B requests in flight: one bench-steps replay (`--draft-always`,
-k = 8, the H100 Qwen3-8B roofline forward, a 32 MB pass per step by default) with the proposer's call and the
-native core's calls timed from Python, and the core's own step split into its phases
-(`core.timings()`: waiting for the background, the inserts of pending tokens, the commits with
-the prefetch's hits, the lookups), averaged over the steps with B requests in flight
+k = 8, the H100 Qwen3-8B roofline forward, a 32 MB pass per step by default) with the proposer's
+call, the native core's calls and the proposer's own array and request bookkeeping timed from
+Python, and the core's own step split into its phases (`core.timings()`: waiting for the
+background, the inserts of pending tokens, the commits with the prefetch's hits, the lookups),
+averaged over the steps with B requests in flight
 (docs/native.md, "Where a step's time goes").
 
     python scripts/step_phase_split.py ngramrl/traces/gsm-smollm2-t0.6.jsonl.gz 256 --threads 2
@@ -29,6 +30,8 @@ from ngramrl.engine import vllm_proposer  # noqa: E402
 PHASES = ("step_wait_ns", "step_absorb_ns", "step_commit_ns", "step_lookup_ns", "step_lookups")
 CALLS = ("stop", "start_many", "step", "lengths", "prefetch", "finish_many")
 GLUE = ("committed_rows", "for_target")  # vLLM's rows to the core's arrays, and the drafts to vLLM's lists
+# The batch's request ids to ranks with the admissions, the admissions alone, the requests that left
+REQUESTS = ("_states", "_admit", "_retire")
 
 
 def main() -> None:
@@ -82,6 +85,8 @@ def main() -> None:
         setattr(core, name, timed(name, getattr(core, name)))
     vllm_proposer.committed_rows = timed("committed_rows", vllm_proposer.committed_rows)
     DraftBatch.for_target = timed("for_target", DraftBatch.for_target)
+    for name in REQUESTS:
+        setattr(proposer, name, timed(name, getattr(proposer, name)))
     propose = proposer.propose
 
     def timed_propose(sampled, *a, **k):
@@ -90,7 +95,7 @@ def main() -> None:
         out = propose(sampled, *a, **k)
         if len(sampled) == args.batch:
             full["propose"].append(time.perf_counter_ns() - begin)
-            for key in (*CALLS, *GLUE, *PHASES):
+            for key in (*CALLS, *GLUE, *REQUESTS, *PHASES):
                 full[key].append(step_totals[key])
         return out
 
@@ -110,6 +115,9 @@ def main() -> None:
     print(f"    Python around them {(mean['propose'] - inside) / 1e3:8.0f} us")
     print(f"      of which the rows to arrays (committed_rows) {mean['committed_rows'] / 1e3:.0f} us, "
           f"the drafts to vLLM's lists (for_target) {mean['for_target'] / 1e3:.0f} us")
+    print(f"      the batch's ranks (_states less _admit) {(mean['_states'] - mean['_admit']) / 1e3:.1f} us, "
+          f"admissions (_admit, core.start_many in it) {mean['_admit'] / 1e3:.1f} us, "
+          f"the requests that left (_retire) {mean['_retire'] / 1e3:.1f} us")
     print("  the native step's phases:")
     for phase in PHASES[:-1]:
         print(f"    {phase[5:-3]:<18} {mean[phase] / 1e3:8.0f} us")
