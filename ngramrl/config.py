@@ -121,6 +121,7 @@ class PrefetchConfig:
     global_budget: int | None = None   # optional cap for the whole batch (fan-out follows uncertainty)
     share_budget: bool = True          # without a global budget: budget x requests across the batch
     min_probability: float = 0.0       # outcomes less likely than this are never prefetched
+    plan_floor: float = 0.5            # with a batch budget: enumerate only outcomes above this x the last cut
     levels: int = 3                    # suffix levels whose continuations are candidate corrections
     prior_strength: float = 4.0        # pseudo-observations behind the drafter's own estimate
     calibration_decay: float = 0.99    # forgetting per observation of a calibration cell (acceptance drifts)
@@ -134,6 +135,8 @@ class PrefetchConfig:
             raise ValueError(f"PrefetchConfig.global_budget must be >= 0, got {self.global_budget}")
         if not 0.0 <= self.min_probability <= 1.0:
             raise ValueError(f"PrefetchConfig.min_probability must be in [0, 1], got {self.min_probability}")
+        if not 0.0 <= self.plan_floor <= 1.0:
+            raise ValueError(f"PrefetchConfig.plan_floor must be in [0, 1], got {self.plan_floor}")
         if self.levels < 1 or self.workers < 1:
             raise ValueError("PrefetchConfig.levels and workers must be >= 1")
         if not 0.0 < self.calibration_decay <= 1.0:

@@ -51,7 +51,16 @@ from ngramrl.core.estimate import MatchState, advance
 from ngramrl.core.extension import native_module
 from ngramrl.core.history import RolloutHistory, token_ids
 from ngramrl.core.native import NativeCore
-from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival, allocate, allocation, predict_for
+from ngramrl.core.outcome import (
+    AcceptanceCalibration,
+    DraftFollower,
+    Survival,
+    allocate,
+    allocation,
+    budget_cut,
+    budget_total,
+    predict_for,
+)
 from ngramrl.core.rows import DraftBatch, OutcomeBatch
 
 
@@ -123,6 +132,7 @@ class ReferenceCore:
         self._requests: list[RequestState | None] = []
         self._cache: dict[tuple[int, int, int], tuple[Draft, tuple]] = {}
         self._outcomes = OutcomeBatch.empty()
+        self._last_cut = 0.0  # the last prefetch's (outcome.budget_cut)
 
     # -- history ---------------------------------------------------------------------------
 
@@ -355,6 +365,7 @@ class ReferenceCore:
             raise ValueError(f"{len(probs)} probabilities for {len(tokens)} draft tokens")
         config = self.prefetch_config
         limit, _ = allocation(config)  # the outcomes enumerated per request
+        floor = config.plan_floor * self._last_cut
         needs_global = self.drafter.config.use_global and self.history.built_global_index() is None
         candidates, drafts = {}, {}
         for i, handle in enumerate(handles.tolist()):
@@ -365,8 +376,9 @@ class ReferenceCore:
             draft = Draft(tokens[begin:end].tolist(), probs[begin:end].tolist())
             drafts[handle] = (i, draft)
             candidates[handle] = predict_for(self.drafter.outcome_sources(self._caught_up(request)), draft,
-                                             self.calibration, limit, config.levels)
+                                             self.calibration, limit, config.levels, floor)
         chosen = allocate(candidates, config)
+        self._last_cut = budget_cut(chosen, budget_total(config, len(candidates)))
         rows, accepted, emitted, chance, found = [], [], [], [], []
         self._cache = {}
         for handle, outcomes in chosen.items():

@@ -39,7 +39,7 @@ class NativeCore:
             path_width=drafter.path_width,
             stop_tokens=[int(t) for t in drafter.stop_tokens],
             budget=limit, global_budget=-1 if prefetch.global_budget is None else prefetch.global_budget,
-            shared_budget=prefetch.budget if shared else -1,
+            shared_budget=prefetch.budget if shared else -1, plan_floor=prefetch.plan_floor,
             min_probability=prefetch.min_probability, levels=prefetch.levels,
             prior_strength=prefetch.prior_strength, calibration_decay=prefetch.calibration_decay, threads=threads,
             follow=follow)

@@ -173,9 +173,11 @@ def accepted_length_distribution(chances: list[float]) -> list[float]:
 
 
 def predict_outcomes(sources: list[Source], draft: Draft, chances: list[float], limit: int,
-                     levels: int = 3) -> list[Outcome]:
+                     levels: int = 3, floor: float = 0.0) -> list[Outcome]:
     """The ``limit`` most probable outcomes (j, b) of verifying ``draft`` from the context's match
-    states in ``sources`` (the prompt's index first), most probable first."""
+    states in ``sources`` (the prompt's index first), most probable first; with a ``floor``, only
+    those likelier than it (the estimates then read no suffix level that could only add outcomes
+    below it, as they do below the ``limit``-th)."""
     if limit <= 0 or not sources:
         return []
     tokens = draft.tokens
@@ -188,15 +190,16 @@ def predict_outcomes(sources: list[Source], draft: Draft, chances: list[float], 
     push, replace = heapq.heappush, heapq.heapreplace
     for j in sorted(range(k + 1), key=p_accepted.__getitem__, reverse=True):
         pj = p_accepted[j]
-        if len(best) == limit and pj <= best[0][0]:
-            break  # P(b | j) <= 1: no later j can enter the top set
+        if (len(best) == limit and pj <= best[0][0]) or (floor > 0.0 and pj <= floor):
+            break  # P(b | j) <= 1: no later j can enter the top set or pass the floor
         at_j = []
         for index, chain in chains:
             while len(chain) <= j:
                 chain.append(index.step(*chain[-1], tokens[len(chain) - 1]))
             at_j.append((index, MatchState(*chain[j])))
-        floor = best[0][0] / pj if len(best) == limit else 0.0
-        for p_token, token in continuation_estimates(at_j, levels, limit, tokens[j] if j < k else -1, 0, floor):
+        bar = max(best[0][0] if len(best) == limit else 0.0, floor)
+        for p_token, token in continuation_estimates(at_j, levels, limit, tokens[j] if j < k else -1, 0,
+                                                     bar / pj if bar > 0.0 else 0.0):
             p = pj * p_token
             if len(best) < limit:
                 push(best, (p, j, token))
@@ -209,9 +212,9 @@ def predict_outcomes(sources: list[Source], draft: Draft, chances: list[float], 
 
 
 def predict_for(sources: list[Source], draft: Draft, calibration: AcceptanceCalibration, limit: int,
-                levels: int) -> list[Outcome]:
+                levels: int, floor: float = 0.0) -> list[Outcome]:
     """``predict_outcomes`` with the acceptance chances calibrated from what was observed so far."""
-    return predict_outcomes(sources, draft, calibration.chances(draft.probs), limit, levels)
+    return predict_outcomes(sources, draft, calibration.chances(draft.probs), limit, levels, floor)
 
 
 SHARE_CAP = 2  # with a shared budget, one request gets at most this many times its share
@@ -231,12 +234,12 @@ def allocate(candidates: dict[str, list[Outcome]], config: PrefetchConfig) -> di
     """Choose outcomes to prefetch: at most ``budget`` per request and ``global_budget`` overall,
     never below ``min_probability``, likeliest first across the batch; with a shared budget
     (``allocation``), ``budget`` x the requests overall, at most ``SHARE_CAP`` x ``budget`` each."""
-    limit, shared = allocation(config)
+    limit, _ = allocation(config)
     per_request = {
         rid: [o for o in outcomes[:limit] if o.probability >= config.min_probability and o.probability > 0]
         for rid, outcomes in candidates.items()
     }
-    total = config.budget * len(candidates) if shared else config.global_budget
+    total = budget_total(config, len(candidates))
     if total is None:
         return per_request
     pool = heapq.nlargest(total,
@@ -245,3 +248,18 @@ def allocate(candidates: dict[str, list[Outcome]], config: PrefetchConfig) -> di
     for _, rid, i in sorted(pool, key=lambda x: (x[1], x[2])):
         chosen[rid].append(per_request[rid][i])
     return chosen
+
+
+def budget_total(config: PrefetchConfig, requests: int) -> int | None:
+    """The batch's total of lookups for ``requests`` planned requests (``allocate``), or None."""
+    _, shared = allocation(config)
+    return config.budget * requests if shared else config.global_budget
+
+
+def budget_cut(chosen: dict[str, list[Outcome]], total: int | None) -> float:
+    """The probability of the least likely outcome ``allocate`` chose where the batch's ``total``
+    was spent in full, else 0. A batch's cut moves little from one prefetch to the next, so the
+    next one enumerates only outcomes above ``PrefetchConfig.plan_floor`` times it (a cut that
+    falls below that floor leaves part of the budget unspent once, and no floor the time after)."""
+    probabilities = [o.probability for outcomes in chosen.values() for o in outcomes]
+    return min(probabilities) if total and len(probabilities) >= total else 0.0

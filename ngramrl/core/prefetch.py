@@ -22,7 +22,15 @@ from typing import Protocol
 
 from ngramrl.config import PrefetchConfig
 from ngramrl.core.drafter import Draft, NgramDrafter, RequestState
-from ngramrl.core.outcome import AcceptanceCalibration, Outcome, allocate, allocation, predict_for
+from ngramrl.core.outcome import (
+    AcceptanceCalibration,
+    Outcome,
+    allocate,
+    allocation,
+    budget_cut,
+    budget_total,
+    predict_for,
+)
 
 
 class LookupWorker(Protocol):
@@ -71,10 +79,11 @@ def _retrieve(task: asyncio.Future) -> None:
 
 
 def choose_outcomes(drafter: NgramDrafter, sent: list[tuple[RequestState, Draft]], calibration: AcceptanceCalibration,
-                    config: PrefetchConfig) -> dict[str, list[Outcome]]:
+                    config: PrefetchConfig, last_cut: float = 0.0) -> tuple[dict[str, list[Outcome]], float]:
     """The outcomes to prefetch, per request id, for drafts just sent for verification: the
-    outcome model's likeliest (j, b) for each, then the budget allocator across the batch. Every
-    prefetcher (asyncio, the engine's worker thread, a Ray drafter shard) plans with this."""
+    outcome model's likeliest (j, b) for each (above ``config.plan_floor`` x ``last_cut``, the last
+    prefetch's cut), then the budget allocator across the batch; and this prefetch's cut
+    (``budget_cut``). The batched cores plan the same way."""
     candidates: dict[str, list[Outcome]] = {}
     limit, _ = allocation(config)  # the outcomes enumerated per request
     for request, draft in sent:
@@ -83,8 +92,9 @@ def choose_outcomes(drafter: NgramDrafter, sent: list[tuple[RequestState, Draft]
             continue
         drafter.catch_up(request, index)
         candidates[request.request_id] = predict_for(drafter.outcome_sources(request), draft, calibration,
-                                                     limit, config.levels)
-    return allocate(candidates, config)
+                                                     limit, config.levels, config.plan_floor * last_cut)
+    chosen = allocate(candidates, config)
+    return chosen, budget_cut(chosen, budget_total(config, len(candidates)))
 
 
 class Prefetcher:
@@ -97,14 +107,16 @@ class Prefetcher:
                                                                 self.config.calibration_decay)
         self.stats = PrefetchStats()
         self._pending: dict[str, _Pending] = {}
+        self._last_cut = 0.0
 
     def dispatch(self, batch: list[tuple[RequestState, Draft, int]]) -> None:
         """Drafts (request, draft, k) were just sent for verification: start lookups for their
         likeliest outcomes."""
         begin = time.perf_counter_ns()
         requests = {request.request_id: (request, draft, k) for request, draft, k in batch}
-        chosen = choose_outcomes(self.drafter, [(request, draft) for request, draft, _ in requests.values()],
-                                 self.calibration, self.config)
+        chosen, self._last_cut = choose_outcomes(self.drafter,
+                                                 [(request, draft) for request, draft, _ in requests.values()],
+                                                 self.calibration, self.config, self._last_cut)
         for rid, (request, draft, k) in requests.items():
             self.cancel(rid)
             tasks = {}

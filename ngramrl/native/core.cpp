@@ -265,6 +265,7 @@ struct DrafterConfig {
 struct PrefetchConfig {
     AllocateConfig allocate;      // allocate.budget: the most outcomes one request gets
     int64_t shared_budget = -1;   // >= 0: the batch's total is this x its planned requests (outcome.allocation)
+    double plan_floor = 0.0;      // with a shared budget: outcomes enumerated only above this x the last cut
     int32_t levels = 3;
 };
 
@@ -928,6 +929,7 @@ private:
     OutcomeTable cache_;  // -> index into outcomes_
     bool cache_valid_ = false;  // the last prefetch's, not used by a step yet
     uint64_t prefetches_ = 0;   // prefetches run (the generation of Walked states)
+    double last_cut_ = 0.0;     // the last shared-budget prefetch's cut (outcome.budget_cut)
     std::vector<Prefetched> outcomes_;
     std::atomic<bool> cancel_{false};
     // Time spent in each kind of work since the core was made (ns), and the rows it covered.
@@ -1276,7 +1278,8 @@ private:
     // overlapped: OutcomePlanner), each row's draft at [begins[i], ends[i]) of ``tokens``; the
     // match states it walked kept for the next step's lookup (Walked). Reads the indexes only.
     void predict_rows(Request* const* reqs, const int64_t* begins, const int64_t* ends, size_t n, const Tokens& tokens,
-                      const std::vector<double>& probs, Automaton* global, std::vector<OutcomeOut>* outs) const {
+                      const std::vector<double>& probs, Automaton* global, double floor,
+                      std::vector<OutcomeOut>* outs) const {
         thread_local std::vector<RowInputs> inputs;
         thread_local std::vector<OutcomeQuery> queries;
         thread_local OutcomePlanner planner;
@@ -1295,7 +1298,7 @@ private:
             queries.push_back(OutcomeQuery{in.sources, in.num_sources, tokens.data() + begins[i], length,
                                            in.chances.data(), &outs[i], in.walked});
         }
-        planner.predict(queries.data(), n, prefetch_.allocate.budget, prefetch_.levels);
+        planner.predict(queries.data(), n, prefetch_.allocate.budget, prefetch_.levels, floor);
         for (size_t i = 0; i < n; ++i) {
             Request& r = *reqs[i];
             if (!r.ls.behind.empty()) continue;  // the next commit replaces what the walk started from
@@ -1439,7 +1442,8 @@ private:
                 const int64_t t0 = now_ns();
                 Request* r = reqs[rows[n]];
                 std::vector<std::vector<OutcomeOut>> candidates(1), mine;
-                predict_rows(&r, &offsets[rows[n]], &offsets[rows[n] + 1], 1, tokens, probs, global, candidates.data());
+                predict_rows(&r, &offsets[rows[n]], &offsets[rows[n] + 1], 1, tokens, probs, global, 0.0,
+                             candidates.data());
                 allocate(candidates, {r->handle}, alloc, mine);
                 chosen[n] = std::move(mine[0]);
                 const int64_t t1 = now_ns();
@@ -1467,6 +1471,8 @@ private:
             std::vector<std::vector<OutcomeOut>> candidates(rows.size());
             std::vector<int64_t> keys(rows.size());
             std::atomic<bool> cancelled{false};
+            const double floor = prefetch_.plan_floor * last_cut_;
+            last_cut_ = 0.0;  // (a cancelled prefetch has no cut: the next one enumerates everything)
             const int64_t t0 = now_ns();
             constexpr size_t kPlanGroup = 8;  // rows planned in lock step, their cache misses overlapped
             workers_.run((rows.size() + kPlanGroup - 1) / kPlanGroup, [&](size_t g) {
@@ -1483,11 +1489,12 @@ private:
                     begins[i] = offsets[rows[first + i]];
                     ends[i] = offsets[rows[first + i] + 1];
                 }
-                predict_rows(group, begins, ends, n, tokens, probs, global, candidates.data() + first);
+                predict_rows(group, begins, ends, n, tokens, probs, global, floor, candidates.data() + first);
             });
             if (cancelled.load()) return;  // a budget allocated over part of the batch is not the reference's
             std::vector<std::vector<OutcomeOut>> chosen;
             allocate(candidates, keys, alloc, chosen);
+            last_cut_ = budget_cut(chosen, alloc.global_budget);
             const int64_t t1 = now_ns();
             plan_ns += t1 - t0;
             planned += static_cast<int64_t>(rows.size());
@@ -1550,7 +1557,7 @@ using namespace ngramrl;
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
     // What ngramrl.core.extension checks for: batch_ranks exists (the newest interface change).
-    m.attr("batch_ranks_interface") = true;
+    m.attr("plan_floor_interface") = true;
     // xtx and xty are updated in place: an array that would need converting is refused, not copied
     m.def("step_cost_fold", &step_cost_fold, py::arg("xtx").noconvert(), py::arg("xty").noconvert(), py::arg("yty"),
           py::arg("observed"), py::arg("knees"), py::arg("decay"));
@@ -1569,7 +1576,7 @@ PYBIND11_MODULE(_native, m) {
         .def(py::init([](int64_t rollouts_per_prompt, int64_t epochs_kept, int64_t max_tokens, int64_t prompt_tail,
                          int32_t max_draft, double min_confidence, int32_t min_match, int32_t rematch_tokens,
                          bool use_global, int32_t draft_levels, int32_t path_width, std::vector<int32_t> stop_tokens,
-                         int32_t budget, int64_t global_budget, int64_t shared_budget,
+                         int32_t budget, int64_t global_budget, int64_t shared_budget, double plan_floor,
                          double min_probability, int32_t levels, double prior_strength, double calibration_decay,
                          int threads, bool follow) {
                  HistoryConfig h{rollouts_per_prompt, epochs_kept, max_tokens, prompt_tail};
@@ -1585,13 +1592,14 @@ PYBIND11_MODULE(_native, m) {
                  PrefetchConfig p;
                  p.allocate = AllocateConfig{budget, global_budget, min_probability};
                  p.shared_budget = shared_budget;
+                 p.plan_floor = plan_floor;
                  p.levels = levels;
                  return std::make_unique<Core>(h, d, p, prior_strength, calibration_decay, threads, follow);
              }),
              py::arg("rollouts_per_prompt"), py::arg("epochs_kept"), py::arg("max_tokens"), py::arg("prompt_tail"),
              py::arg("max_draft"), py::arg("min_confidence"), py::arg("min_match"), py::arg("rematch_tokens"),
              py::arg("use_global"), py::arg("draft_levels"), py::arg("path_width"), py::arg("stop_tokens"), py::arg("budget"), py::arg("global_budget"),
-             py::arg("shared_budget"), py::arg("min_probability"), py::arg("levels"), py::arg("prior_strength"), py::arg("calibration_decay"),
+             py::arg("shared_budget"), py::arg("plan_floor"), py::arg("min_probability"), py::arg("levels"), py::arg("prior_strength"), py::arg("calibration_decay"),
              py::arg("threads"), py::arg("follow"))
         .def("add_rollout",
              [](Core& c, const std::string& id, py::handle prompt, py::handle output, int64_t epoch) {

@@ -651,14 +651,14 @@ struct OutcomeQuery {
 // every row's next reads are hinted a level at a time, so different rows' misses overlap.
 class OutcomePlanner {
 public:
-    void predict(const OutcomeQuery* queries, size_t n, int32_t limit, int32_t levels) {
+    void predict(const OutcomeQuery* queries, size_t n, int32_t limit, int32_t levels, double floor = 0.0) {
         rows_.resize(n);
         for (size_t r = 0; r < n; ++r) start(rows_[r], queries[r], limit);
         auto heap_greater = [](const OutcomeOut& x, const OutcomeOut& y) { return outcome_less(y, x); };  // min-heap
         for (;;) {
             active_.clear();
             for (size_t r = 0; r < n; ++r)
-                if (next_j(rows_[r], queries[r], limit)) active_.push_back(r);
+                if (next_j(rows_[r], queries[r], limit, floor)) active_.push_back(r);
             if (active_.empty()) break;
             extend_chains(queries);
             hint_levels(queries, levels);
@@ -669,8 +669,9 @@ public:
                 const int32_t j = row.j;
                 const double pj = row.p_accepted[j];
                 for (size_t s = 0; s < q.num_sources; ++s) at_j_[s] = SourceMatch{q.sources[s].index, row.chains[s][j]};
-                const double floor = static_cast<int32_t>(out.size()) == limit ? out.front().probability / pj : 0.0;
-                continuation_estimates(at_j_, q.num_sources, levels, limit, j < q.k ? q.tokens[j] : -1, 0, floor, dist_);
+                const double bar = std::max(static_cast<int32_t>(out.size()) == limit ? out.front().probability : 0.0, floor);
+                continuation_estimates(at_j_, q.num_sources, levels, limit, j < q.k ? q.tokens[j] : -1, 0,
+                                       bar > 0.0 ? bar / pj : 0.0, dist_);
                 for (const auto& pt : dist_) {
                     const double p = pj * pt.first;
                     if (static_cast<int32_t>(out.size()) < limit) {
@@ -733,8 +734,9 @@ private:
         for (size_t s = 0; s < q.num_sources; ++s) row.chains[s].push_back(q.sources[s].match);
     }
 
-    // The row's next j, or false once no later j can enter its top ``limit`` (P(b | j) <= 1).
-    static bool next_j(Row& row, const OutcomeQuery& q, int32_t limit) {
+    // The row's next j, or false once no later j can enter its top ``limit`` (P(b | j) <= 1) or
+    // pass ``floor``.
+    static bool next_j(Row& row, const OutcomeQuery& q, int32_t limit, double floor) {
         if (row.done) return false;
         if (row.next == row.order.size()) {
             row.done = true;
@@ -742,7 +744,8 @@ private:
         }
         row.j = row.order[row.next++];
         const std::vector<OutcomeOut>& out = *q.out;
-        if (static_cast<int32_t>(out.size()) == limit && row.p_accepted[row.j] <= out.front().probability) {
+        const double pj = row.p_accepted[row.j];
+        if ((static_cast<int32_t>(out.size()) == limit && pj <= out.front().probability) || (floor > 0.0 && pj <= floor)) {
             row.done = true;
             return false;
         }
@@ -1022,6 +1025,19 @@ inline void allocate(const std::vector<std::vector<OutcomeOut>>& candidates, con
             if (!larger(cutoff, Entry{row[i].probability, keys[r], static_cast<int32_t>(i)})) row[kept++] = row[i];
         row.resize(kept);
     }
+}
+
+// outcome.budget_cut: the least likely outcome chosen where the batch's budget was spent in full,
+// else 0.
+inline double budget_cut(const std::vector<std::vector<OutcomeOut>>& chosen, int64_t global_budget) {
+    int64_t count = 0;
+    double least = 0.0;
+    for (const auto& row : chosen)
+        for (const OutcomeOut& o : row) {
+            least = count == 0 ? o.probability : std::min(least, o.probability);
+            ++count;
+        }
+    return global_budget > 0 && count >= global_budget ? least : 0.0;
 }
 
 }  // namespace ngramrl

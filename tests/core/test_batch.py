@@ -440,7 +440,7 @@ def test_a_cancelled_prefetch_has_made_the_likeliest_lookups_first(shared):
     trace = read_trace(next(p for p in builtin_traces() if "gsm" in p and "t0.6" in p))
     budget = 32 if shared else 64  # shared: each row may take twice its share
     core = make_core(HistoryConfig(), DrafterConfig(stop_tokens=tuple(trace.header.eos_token_ids)),
-                     PrefetchConfig(budget=budget, share_budget=shared), threads=1, native=True)
+                     PrefetchConfig(budget=budget, share_budget=shared, plan_floor=0.0), threads=1, native=True)
     last = max(r.epoch for r in trace.rollouts)
     for r in trace.rollouts:
         if r.epoch < last:

@@ -16,6 +16,8 @@ from ngramrl.core.outcome import (
     accepted_length_distribution,
     allocate,
     allocation,
+    budget_cut,
+    budget_total,
     predict_outcomes,
 )
 from ngramrl.core.prefetch import Prefetcher, ThreadLookupWorker
@@ -213,6 +215,35 @@ def test_predicted_outcomes_never_include_the_rejected_draft_token_and_are_sorte
     for outcome in outcomes:
         if outcome.accepted < len(draft.tokens):
             assert outcome.token != draft.tokens[outcome.accepted]
+
+
+def test_a_floor_keeps_the_outcomes_above_it_and_the_top_ones_unchanged():
+    """A prefetch enumerates only outcomes likelier than its floor (a share of the last one's cut):
+    none below it, no j whose own chance is below it, and the likeliest outcomes as without it
+    (the floor only stops reading suffix levels that could add nothing above it)."""
+    history, drafter, request, draft = first_draft(seed=6, temperature=1.0, prompt_id="p1")
+    sources = [(history.index_of("p1"), request.match)]
+    chances = [0.6] * len(draft.tokens)
+    full = predict_outcomes(sources, draft, chances, 32)
+    floor = full[len(full) // 2].probability
+    above = predict_outcomes(sources, draft, chances, 32, floor=floor)
+    assert 0 < len(above) < len(full)
+    assert all(o.probability > floor * (1 - 1e-12) for o in above)
+    p_accepted = accepted_length_distribution(chances)
+    assert all(p_accepted[o.accepted] > floor for o in above)
+    assert [o.key for o in above[:3]] == [o.key for o in full[:3]]
+    assert predict_outcomes(sources, draft, chances, 32, floor=0.0) == full
+
+
+def test_the_cut_is_the_least_likely_outcome_chosen_when_the_budget_was_spent():
+    outcomes = {"a": [Outcome(0.5, 0, 1), Outcome(0.2, 1, 2)], "b": [Outcome(0.3, 0, 4)], "c": []}
+    config = PrefetchConfig(budget=1)  # shared: one lookup per request on average, three in all
+    chosen = allocate(outcomes, config)
+    assert budget_total(config, len(outcomes)) == 3
+    assert budget_cut(chosen, budget_total(config, len(outcomes))) == 0.2
+    assert budget_cut(chosen, 4) == 0.0  # budget left unspent: no cut
+    assert budget_cut(chosen, None) == 0.0  # no batch total (budgets per request)
+    assert budget_total(PrefetchConfig(budget=1, share_budget=False), 3) is None
 
 
 def test_allocation_follows_uncertainty_under_a_global_budget():
