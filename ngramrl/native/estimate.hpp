@@ -110,12 +110,12 @@ public:
                     } else {
                         a.ranked(state, static_cast<size_t>(limit) + 1, ranked_);
                         entries_.insert(entries_.end(), ranked_.begin(), ranked_.end());
-                        int32_t taken = 0;
-                        for (const auto& tc : ranked_) {
-                            if (tc.first == exclude) continue;
-                            if (taken++ >= limit) break;
-                            add(tc.first);
-                        }
+                        if (limit == 1)
+                            for (const auto& tc : ranked_)
+                                if (tc.first != exclude) {
+                                    add(tc.first);
+                                    break;
+                                }
                     }
                     read_.back().entries_end = static_cast<int32_t>(entries_.size());
                     read_.back().complete = read_.back().entries_end - read_.back().entries_begin == distinct;
@@ -126,8 +126,9 @@ public:
             }
         }
         source_begin_[num_sources] = static_cast<int32_t>(read_.size());
-        // The counts the rankings read, per (candidate, level); -1: not read.
         const size_t num_levels = read_.size();
+        if (limit != 1) add_candidates(exclude, limit, floor);
+        // The counts the rankings read, per (candidate, level); -1: not read.
         known_.assign(candidates_.size() * num_levels, -1);
         for (size_t lv = 0; lv < num_levels; ++lv)
             for (int32_t e = read_[lv].entries_begin; e < read_[lv].entries_end; ++e) {
@@ -195,9 +196,55 @@ private:
     std::vector<int32_t> candidates_;  // in the order first met (the reference's dict)
     std::vector<std::pair<int32_t, int32_t>> entries_, ranked_;
     std::vector<int32_t> known_, counts_;
+    std::vector<int32_t> stops_;  // per level: where its candidates end (add_candidates)
     std::vector<Slot> slots_;  // token -> candidate, valid where stamp == stamp_
     uint32_t stamp_ = 0;
     std::vector<std::pair<double, int32_t>> estimates_;
+
+    // Each level's ``limit`` most frequent continuations other than ``exclude`` are candidates,
+    // level by level. With a ``floor``, a level's list stops at its first continuation whose
+    // share of the estimate is at most floor / levels, where the shares of the first continuation
+    // each level leaves out add up to at most ``floor``: a continuation left out has at each level
+    // at most the count of the first one left out there (the rankings are by count), so its
+    // estimate cannot pass the floor, and the output is the same.
+    void add_candidates(int32_t exclude, int32_t limit, double floor) {
+        const size_t num_levels = read_.size();
+        stops_.assign(num_levels, 0);
+        bool cut = false;
+        if (floor > 0.0 && num_levels > 0) {
+            const double share = floor / static_cast<double>(num_levels);
+            double left_out = 0.0;
+            for (size_t lv = 0; lv < num_levels; ++lv) {
+                const Level& level = read_[lv];
+                int32_t taken = 0, stop = level.entries_end;
+                int64_t first_out = 0;  // the count of the first continuation not taken (0: none)
+                for (int32_t e = level.entries_begin; e < level.entries_end; ++e) {
+                    if (entries_[e].first == exclude) continue;
+                    if (taken >= limit || level.scale * static_cast<double>(entries_[e].second) <= share) {
+                        stop = e;
+                        first_out = entries_[e].second;
+                        break;
+                    }
+                    ++taken;
+                }
+                if (stop == level.entries_end && !level.complete)
+                    first_out = entries_[level.entries_end - 1].second;  // the ranking did not list them all
+                stops_[lv] = stop;
+                left_out += level.scale * static_cast<double>(first_out);
+            }
+            cut = left_out * (1.0 + 1e-9) <= floor;
+        }
+        for (size_t lv = 0; lv < num_levels; ++lv) {
+            const Level& level = read_[lv];
+            const int32_t end = cut ? stops_[lv] : level.entries_end;
+            int32_t taken = 0;
+            for (int32_t e = level.entries_begin; e < end; ++e) {
+                if (entries_[e].first == exclude) continue;
+                if (taken++ >= limit) break;
+                add(entries_[e].first);
+            }
+        }
+    }
 
     int32_t find(int32_t token) const {
         const size_t mask = slots_.size() - 1;
