@@ -265,7 +265,7 @@ struct DrafterConfig {
 struct PrefetchConfig {
     AllocateConfig allocate;      // allocate.budget: the most outcomes one request gets
     int64_t shared_budget = -1;   // >= 0: the batch's total is this x its planned requests (outcome.allocation)
-    double plan_floor = 0.0;      // with a shared budget: outcomes enumerated only above this x the last cut
+    double plan_floor = 0.0;      // with a batch total: outcomes enumerated only above this x the last cut
     int32_t levels = 3;
 };
 
@@ -929,7 +929,7 @@ private:
     OutcomeTable cache_;  // -> index into outcomes_
     bool cache_valid_ = false;  // the last prefetch's, not used by a step yet
     uint64_t prefetches_ = 0;   // prefetches run (the generation of Walked states)
-    double last_cut_ = 0.0;     // the last shared-budget prefetch's cut (outcome.budget_cut)
+    double last_cut_ = 0.0;     // the last prefetch's cut (outcome.budget_cut)
     std::vector<Prefetched> outcomes_;
     std::atomic<bool> cancel_{false};
     // Time spent in each kind of work since the core was made (ns), and the rows it covered.
@@ -1407,6 +1407,8 @@ private:
                       const std::vector<double>& probs, int32_t k) {
         AllocateConfig alloc = prefetch_.allocate;
         Automaton* global = history_.built_global();
+        const double floor = prefetch_.plan_floor * last_cut_;
+        last_cut_ = 0.0;  // until this prefetch has allocated a batch's total (a cancelled one has no cut)
         if (alloc.budget <= 0 || (config_.use_global && global == nullptr)) return;
         std::vector<int32_t> rows;
         for (size_t i = 0; i < reqs.size(); ++i)
@@ -1471,8 +1473,6 @@ private:
             std::vector<std::vector<OutcomeOut>> candidates(rows.size());
             std::vector<int64_t> keys(rows.size());
             std::atomic<bool> cancelled{false};
-            const double floor = prefetch_.plan_floor * last_cut_;
-            last_cut_ = 0.0;  // (a cancelled prefetch has no cut: the next one enumerates everything)
             const int64_t t0 = now_ns();
             constexpr size_t kPlanGroup = 8;  // rows planned in lock step, their cache misses overlapped
             workers_.run((rows.size() + kPlanGroup - 1) / kPlanGroup, [&](size_t g) {
@@ -1556,7 +1556,7 @@ using namespace ngramrl;
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
-    // What ngramrl.core.extension checks for: batch_ranks exists (the newest interface change).
+    // What ngramrl.core.extension checks for: Core takes plan_floor (the newest interface change).
     m.attr("plan_floor_interface") = true;
     // xtx and xty are updated in place: an array that would need converting is refused, not copied
     m.def("step_cost_fold", &step_cost_fold, py::arg("xtx").noconvert(), py::arg("xty").noconvert(), py::arg("yty"),
