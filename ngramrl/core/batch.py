@@ -51,16 +51,7 @@ from ngramrl.core.estimate import MatchState, advance
 from ngramrl.core.extension import native_module
 from ngramrl.core.history import RolloutHistory, token_ids
 from ngramrl.core.native import NativeCore
-from ngramrl.core.outcome import (
-    AcceptanceCalibration,
-    DraftFollower,
-    Survival,
-    allocate,
-    allocation,
-    budget_cut,
-    budget_total,
-    predict_for,
-)
+from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival, plan_outcomes
 from ngramrl.core.rows import DraftBatch, OutcomeBatch
 
 
@@ -364,10 +355,8 @@ class ReferenceCore:
         if len(probs) != len(tokens):
             raise ValueError(f"{len(probs)} probabilities for {len(tokens)} draft tokens")
         config = self.prefetch_config
-        limit, _ = allocation(config)  # the outcomes enumerated per request
-        floor = config.plan_floor * self._last_cut
         needs_global = self.drafter.config.use_global and self.history.built_global_index() is None
-        candidates, drafts = {}, {}
+        planned, drafts = {}, {}
         for i, handle in enumerate(handles.tolist()):
             request = self._request(handle)
             begin, end = int(offsets[i]), int(offsets[i + 1])  # an empty draft: the outcome is the next token
@@ -375,10 +364,8 @@ class ReferenceCore:
                 continue
             draft = Draft(tokens[begin:end].tolist(), probs[begin:end].tolist())
             drafts[handle] = (i, draft)
-            candidates[handle] = predict_for(self.drafter.outcome_sources(self._caught_up(request)), draft,
-                                             self.calibration, limit, config.levels, floor)
-        chosen = allocate(candidates, config)
-        self._last_cut = budget_cut(chosen, budget_total(config, len(candidates)))
+            planned[handle] = (self.drafter.outcome_sources(self._caught_up(request)), draft)
+        chosen, self._last_cut = plan_outcomes(planned, self.calibration, config, self._last_cut)
         rows, accepted, emitted, chance, found = [], [], [], [], []
         self._cache = {}
         for handle, outcomes in chosen.items():

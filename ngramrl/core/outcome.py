@@ -18,7 +18,7 @@ emits (a correction, never d_{j+1}, when j < k; the bonus token when j = k).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from ngramrl.config import PrefetchConfig
@@ -248,6 +248,20 @@ def allocate(candidates: dict[str, list[Outcome]], config: PrefetchConfig) -> di
     for _, rid, i in sorted(pool, key=lambda x: (x[1], x[2])):
         chosen[rid].append(per_request[rid][i])
     return chosen
+
+
+def plan_outcomes(sent: dict[Hashable, tuple[list[Source], Draft]], calibration: AcceptanceCalibration,
+                  config: PrefetchConfig, last_cut: float) -> tuple[dict[Hashable, list[Outcome]], float]:
+    """The prefetch's plan for drafts just sent for verification (per request: its match states in
+    ``sources`` and its draft): each request's likeliest outcomes above ``config.plan_floor`` x
+    ``last_cut``, then ``allocate`` across the batch; and this plan's ``budget_cut``. Every
+    prefetcher plans with this (the native core as its reference does)."""
+    limit, _ = allocation(config)  # the outcomes enumerated per request
+    floor = config.plan_floor * last_cut
+    candidates = {key: predict_for(sources, draft, calibration, limit, config.levels, floor)
+                  for key, (sources, draft) in sent.items()}
+    chosen = allocate(candidates, config)
+    return chosen, budget_cut(chosen, budget_total(config, len(candidates)))
 
 
 def budget_total(config: PrefetchConfig, requests: int) -> int | None:

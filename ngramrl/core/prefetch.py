@@ -22,15 +22,8 @@ from typing import Protocol
 
 from ngramrl.config import PrefetchConfig
 from ngramrl.core.drafter import Draft, NgramDrafter, RequestState
-from ngramrl.core.outcome import (
-    AcceptanceCalibration,
-    Outcome,
-    allocate,
-    allocation,
-    budget_cut,
-    budget_total,
-    predict_for,
-)
+from ngramrl.core.estimate import Source
+from ngramrl.core.outcome import AcceptanceCalibration, Outcome, plan_outcomes
 
 
 class LookupWorker(Protocol):
@@ -83,18 +76,15 @@ def choose_outcomes(drafter: NgramDrafter, sent: list[tuple[RequestState, Draft]
     """The outcomes to prefetch, per request id, for drafts just sent for verification: the
     outcome model's likeliest (j, b) for each (above ``config.plan_floor`` x ``last_cut``, the last
     prefetch's cut), then the budget allocator across the batch; and this prefetch's cut
-    (``budget_cut``). The batched cores plan the same way."""
-    candidates: dict[str, list[Outcome]] = {}
-    limit, _ = allocation(config)  # the outcomes enumerated per request
+    (``budget_cut``): ``plan_outcomes``, as the batched cores plan."""
+    planned: dict[str, tuple[list[Source], Draft]] = {}
     for request, draft in sent:
         index = drafter.index(request) if request.known and config.budget else None
         if index is None:
             continue
         drafter.catch_up(request, index)
-        candidates[request.request_id] = predict_for(drafter.outcome_sources(request), draft, calibration,
-                                                     limit, config.levels, config.plan_floor * last_cut)
-    chosen = allocate(candidates, config)
-    return chosen, budget_cut(chosen, budget_total(config, len(candidates)))
+        planned[request.request_id] = (drafter.outcome_sources(request), draft)
+    return plan_outcomes(planned, calibration, config, last_cut)
 
 
 class Prefetcher:
