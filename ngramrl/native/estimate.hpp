@@ -106,16 +106,9 @@ public:
                         Level{state, static_cast<int32_t>(entries_.size()), 0, mass / static_cast<double>(norm), false});
                     if (limit == 1 && s.best_token != exclude) {
                         entries_.emplace_back(s.best_token, a[s.best_state].count);
-                        add(s.best_token);
                     } else {
                         a.ranked(state, static_cast<size_t>(limit) + 1, ranked_);
                         entries_.insert(entries_.end(), ranked_.begin(), ranked_.end());
-                        if (limit == 1)
-                            for (const auto& tc : ranked_)
-                                if (tc.first != exclude) {
-                                    add(tc.first);
-                                    break;
-                                }
                     }
                     read_.back().entries_end = static_cast<int32_t>(entries_.size());
                     read_.back().complete = read_.back().entries_end - read_.back().entries_begin == distinct;
@@ -127,7 +120,7 @@ public:
         }
         source_begin_[num_sources] = static_cast<int32_t>(read_.size());
         const size_t num_levels = read_.size();
-        if (limit != 1) add_candidates(exclude, limit, floor);
+        add_candidates(exclude, limit, floor);
         // The counts the rankings read, per (candidate, level); -1: not read.
         known_.assign(candidates_.size() * num_levels, -1);
         for (size_t lv = 0; lv < num_levels; ++lv)
@@ -698,7 +691,7 @@ struct OutcomeQuery {
 // every row's next reads are hinted a level at a time, so different rows' misses overlap.
 class OutcomePlanner {
 public:
-    void predict(const OutcomeQuery* queries, size_t n, int32_t limit, int32_t levels, double floor = 0.0) {
+    void predict(const OutcomeQuery* queries, size_t n, int32_t limit, int32_t levels, double floor) {
         rows_.resize(n);
         for (size_t r = 0; r < n; ++r) start(rows_[r], queries[r], limit);
         auto heap_greater = [](const OutcomeOut& x, const OutcomeOut& y) { return outcome_less(y, x); };  // min-heap
