@@ -136,7 +136,7 @@ def _bench_steps(args: argparse.Namespace) -> int:
 
     run_bench_steps(BenchStepsConfig(traces=args.traces, batches=args.batch, threads=args.threads,
                                      methods=args.method, k=args.k, profile=args.profile, flush_mb=args.flush_mb,
-                                     draft_always=args.draft_always, budgets=args.budget,
+                                     draft_always=args.draft_always, budgets=args.budget, max_budgets=args.max_budget,
                                      windows_move=args.windows_move, json_out=args.json))
     return 0
 
@@ -252,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "at most, the same work for every build compared")
     steps.add_argument("--budget", type=int, nargs="+", default=[PrefetchConfig().budget], metavar="N",
                        help="ngramrl-prefetch's next-draft lookups per request per step (several: one run each)")
+    steps.add_argument("--max-budget", type=int, nargs="+", default=[PrefetchConfig().max_budget], metavar="N",
+                       help="how far ngramrl-prefetch's budget may grow where the forward leaves the prefetch time "
+                            "(PrefetchConfig.max_budget; at most --budget: fixed; several: one run each)")
     steps.add_argument("--windows-move", action="store_true",
                        help="every prompt's history window moves on during the replay (its first finished rollout "
                             "evicts its oldest epoch's), as in an RL run past its first epochs")

@@ -118,6 +118,7 @@ class PrefetchConfig:
     """How verification outcomes are predicted and how many next drafts are looked up ahead."""
 
     budget: int = 16                   # next-draft lookups per request per step (on average, when shared)
+    max_budget: int = 64               # where the forward leaves the background idle, budget grows up to this
     global_budget: int | None = None   # optional cap for the whole batch (fan-out follows uncertainty)
     share_budget: bool = True          # without a global budget: budget x requests across the batch
     min_probability: float = 0.0       # outcomes less likely than this are never prefetched
@@ -131,6 +132,9 @@ class PrefetchConfig:
         check_types(self)
         if self.budget < 0:
             raise ValueError(f"PrefetchConfig.budget must be >= 0, got {self.budget}")
+        if self.max_budget < 0:
+            raise ValueError(f"PrefetchConfig.max_budget must be >= 0 (at most budget: a fixed budget), "
+                             f"got {self.max_budget}")
         if self.global_budget is not None and self.global_budget < 0:
             raise ValueError(f"PrefetchConfig.global_budget must be >= 0, got {self.global_budget}")
         if not 0.0 <= self.min_probability <= 1.0:

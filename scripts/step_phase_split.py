@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--method", default="ngramrl-prefetch", choices=("ngramrl", "ngramrl-prefetch"))
     parser.add_argument("--budget", type=int, default=PrefetchConfig().budget, help="prefetch lookups per request")
+    parser.add_argument("--max-budget", type=int, default=PrefetchConfig().max_budget,
+                        help="how far the budget may grow where the forward leaves the prefetch time (at most "
+                             "--budget: fixed)")
     parser.add_argument("--flush-mb", type=float, default=32.0,
                         help="size of the cache-polluting pass standing in for the forward (MB; 0: none)")
     parser.add_argument("--per-request", action="store_true",
@@ -57,7 +60,8 @@ def main() -> None:
     workload = prepare_workload(trace, last, copies_for(trace, last, 2 * args.batch))
     history = HistoryConfig(epochs_kept=args.epochs_kept)
     config = NgramRLConfig(history=history, engine=EngineConfig(adaptive_length=False),
-                           prefetch=PrefetchConfig(budget=args.budget, share_budget=not args.per_request))
+                           prefetch=PrefetchConfig(budget=args.budget, max_budget=args.max_budget,
+                                                   share_budget=not args.per_request))
     engine = build_engine(args.method, workload, 8, default_profile(8), args.threads, int(args.flush_mb * (1 << 20)),
                           config=config)
     proposer, core = engine.proposer, engine.proposer.core
@@ -128,6 +132,10 @@ def main() -> None:
     if timings["plan_rows"]:  # the background's work, over the whole phase
         print(f"  the prefetch: planning {timings['plan_ns'] / timings['plan_rows'] / 1e3:.1f} us per row, "
               f"{timings['prefetch_lookup_ns'] / max(1, timings['prefetch_lookups']) / 1e3:.1f} us per lookup")
+    source = proposer.source.stats()
+    if "prefetch_budget_mean" in source:
+        print(f"  the budget per request: {source['prefetch_budget_mean']:.1f} on average, {source['prefetch_budget']} "
+              "at the end")
 
 
 if __name__ == "__main__":

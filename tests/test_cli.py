@@ -104,12 +104,17 @@ def test_bench_steps_writes_its_contract_json(tmp_path, capsys):
     assert data["ngramrl_bench_steps"] == 1
     keys = {"trace", "method", "batch", "threads", "steps", "step_us_median", "step_us_mean", "step_us_p99",
             "request_us_mean", "offpath_us_mean", "tokens_per_forward", "prefetch_coverage", "resumed_misses",
-            "budget"}
+            "budget", "max_budget", "budget_mean"}
     assert {(r["method"], r["batch"]) for r in data["runs"]} == {(m, b) for m in methods for b in (1, 3)}
     for run in data["runs"]:
         assert set(run) == keys and run["trace"] == trace and run["steps"] > 0
         assert run["threads"] == (1 if run["method"] == "suffix" else 2)
         assert run["budget"] == (PrefetchConfig().budget if run["method"] == "ngramrl-prefetch" else None)
+        assert run["max_budget"] == (PrefetchConfig().max_budget if run["method"] == "ngramrl-prefetch" else None)
+        if run["method"] == "ngramrl-prefetch" and run["budget_mean"] is not None:  # None: no background prefetch
+            assert PrefetchConfig().budget <= run["budget_mean"] <= PrefetchConfig().max_budget
+        else:
+            assert run["budget_mean"] is None
         assert run["step_us_median"] <= run["step_us_p99"] and run["tokens_per_forward"] >= 1.0
         coverage = run["prefetch_coverage"]
         if run["method"] == "suffix":
@@ -148,6 +153,27 @@ def test_bench_steps_runs_the_prefetching_method_once_per_budget(tmp_path, monke
     assert runs == [("ngramrl", None), ("ngramrl-prefetch", 2), ("ngramrl-prefetch", 48)]
     assert built == [("ngramrl", PrefetchConfig().budget), ("ngramrl-prefetch", 2), ("ngramrl-prefetch", 48)]
     assert main(["bench-steps", trace, "--batch", "3", "--budget", "0"]) == 2
+    assert main(["bench-steps", trace, "--batch", "3", "--max-budget", "-1"]) == 2
+
+
+def test_bench_steps_runs_each_budget_with_each_max_budget(tmp_path, monkeypatch):
+    from ngramrl.bench import bench_steps
+
+    built = []
+    build = bench_steps.build_engine
+
+    def spy(method, *args, config, **kwargs):
+        built.append((method, config.prefetch.budget, config.prefetch.max_budget))
+        return build(method, *args, config=config, **kwargs)
+
+    monkeypatch.setattr(bench_steps, "build_engine", spy)
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    out = tmp_path / "steps.json"
+    assert main(["bench-steps", trace, "--batch", "3", "--method", "ngramrl-prefetch", "--budget", "4", "8",
+                 "--max-budget", "8", "32", "--flush-mb", "0", "--json", str(out)]) == 0
+    runs = [(r["budget"], r["max_budget"]) for r in json.loads(out.read_text())["runs"]]
+    assert runs == [(4, 8), (4, 32), (8, 8), (8, 32)]
+    assert [b[1:] for b in built] == runs
 
 
 def test_bench_steps_can_draft_at_every_step(tmp_path, monkeypatch):

@@ -37,6 +37,7 @@ class BenchStepsConfig:
     flush_mb: float = 32.0
     draft_always: bool = False    # every row drafts k tokens every step: the step-cost model off
     budgets: list[int] = field(default_factory=lambda: [PrefetchConfig().budget])  # ngramrl-prefetch: one run each
+    max_budgets: list[int] = field(default_factory=lambda: [PrefetchConfig().max_budget])  # ... with each of these
     windows_move: bool = False    # every prompt's window moves on in the replayed epoch (an RL run's steady state)
     json_out: str | None = None
 
@@ -56,6 +57,8 @@ class BenchStepsConfig:
             raise ValueError(f"--flush-mb must be >= 0, got {self.flush_mb}")
         if not self.budgets or any(b < 1 for b in self.budgets):
             raise ValueError(f"--budget values must be >= 1, got {self.budgets}")
+        if not self.max_budgets or any(b < 0 for b in self.max_budgets):
+            raise ValueError(f"--max-budget values must be >= 0, got {self.max_budgets}")
 
 
 def prefetch_coverage(proposer: object) -> float | None:
@@ -79,13 +82,22 @@ def resumed_misses(proposer: object) -> float | None:
     return round(timings["resumed_lookups"] / misses, 4) if misses else 0.0
 
 
-def step_runs(config: BenchStepsConfig) -> list[tuple[str, int, int | None]]:
-    """(method, threads, prefetch budget) of each run for one trace and batch size: every thread
-    count for ngramrl's methods (SuffixDecoding's core is single-threaded: one run), every budget
-    for ngramrl-prefetch (None: a method without prefetch)."""
-    return [(method, threads, budget) for method in config.methods
+def step_runs(config: BenchStepsConfig) -> list[tuple[str, int, tuple[int, int] | None]]:
+    """(method, threads, (prefetch budget, max budget)) of each run for one trace and batch size:
+    every thread count for ngramrl's methods (SuffixDecoding's core is single-threaded: one run),
+    every budget with every max budget for ngramrl-prefetch (None: a method without prefetch)."""
+    return [(method, threads, budgets) for method in config.methods
             for threads in (config.threads if method.startswith("ngramrl") else config.threads[:1])
-            for budget in (config.budgets if method == "ngramrl-prefetch" else [None])]
+            for budgets in ([(b, m) for b in config.budgets for m in config.max_budgets]
+                            if method == "ngramrl-prefetch" else [None])]
+
+
+def budget_mean(proposer: object) -> float | None:
+    """The mean budget per request the proposer's prefetches ran with (PrefetchConfig.max_budget
+    lets it grow), or None for a proposer that did not prefetch in the background."""
+    stats = getattr(getattr(proposer, "source", None), "stats", None)
+    mean = stats().get("prefetch_budget_mean") if stats is not None else None
+    return None if mean is None else round(mean, 2)
 
 
 def default_profile(k: int) -> StepProfile:
@@ -123,10 +135,12 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
         history = HistoryConfig(epochs_kept=last) if config.windows_move else HistoryConfig()
         for batch in config.batches:
             workload = prepare_workload(trace, last, copies_for(trace, last, 2 * batch))
-            for method, threads, budget in step_runs(config):
+            for method, threads, budgets in step_runs(config):
                 if method in skipped:
                     continue
-                prefetch = PrefetchConfig(budget=budget) if budget is not None else PrefetchConfig()
+                budget, max_budget = budgets or (None, None)
+                prefetch = (PrefetchConfig(budget=budget, max_budget=max_budget) if budgets is not None
+                            else PrefetchConfig())
                 engine = build_engine(method, workload, config.k, profile, threads, int(config.flush_mb * (1 << 20)),
                                       config=NgramRLConfig(history=history, engine=engine_config, prefetch=prefetch))
                 try:
@@ -136,20 +150,23 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                 summary = summarize_steps(records, batch)
                 run = {"trace": trace.path, "method": method, "batch": batch,
                        "threads": threads if method.startswith("ngramrl") else 1, "budget": budget,
+                       "max_budget": max_budget,
                        **{key: round(value, 3) if isinstance(value, float) else value
                           for key, value in asdict(summary).items()},
                        "prefetch_coverage": prefetch_coverage(engine.proposer),
-                       "resumed_misses": resumed_misses(engine.proposer)}
+                       "resumed_misses": resumed_misses(engine.proposer),
+                       "budget_mean": budget_mean(engine.proposer) if budgets is not None else None}
                 runs.append(run)
                 write(partial=True)
                 log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} T={run['threads']:<3} "
-                    + ("" if budget is None else f"budget {budget:<3} ")
+                    + ("" if budget is None else f"budget {budget:<3} max {max_budget:<3} ")
                     + f"steps {run['steps']:>5}  "
                     f"step {run['step_us_median']:>9.1f} / {run['step_us_mean']:>9.1f} / {run['step_us_p99']:>9.1f} us "
                     f"(median/mean/p99)  {run['request_us_mean']:>6.1f} us/request  offpath "
                     f"{run['offpath_us_mean']:>8.1f} us  tok/fwd {run['tokens_per_forward']:.3f}"
                     + ("" if run["prefetch_coverage"] is None else f"  prefetched {run['prefetch_coverage']:.3f}")
-                    + ("" if run["resumed_misses"] is None else f"  misses resumed {run['resumed_misses']:.3f}"))
+                    + ("" if run["resumed_misses"] is None else f"  misses resumed {run['resumed_misses']:.3f}")
+                    + ("" if run["budget_mean"] is None else f"  budget mean {run['budget_mean']:.1f}"))
     write(partial=False)
     if config.json_out:
         log(f"wrote {config.json_out}")

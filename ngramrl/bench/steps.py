@@ -273,8 +273,12 @@ class SimulatedEngine:
                 # The background work has had real time since the proposer's last call returned
                 # (this loop's own work included); it gets the forward's length in all. The
                 # proposer's call then stops it, as at the forward's end in an engine (what is
-                # left of the row in hand is on the critical path).
-                background.wait_idle(max(0.0, forward - (time.perf_counter() - returned)))
+                # left of the row in hand is on the critical path). Work done early still waits
+                # out the forward (the prefetch's budget follows the time it had: next_budget),
+                # spinning, as a host thread waiting on the GPU does (CUDA's default wait spins).
+                if background.wait_idle(max(0.0, forward - (time.perf_counter() - returned))):
+                    while time.perf_counter() - returned < forward:
+                        pass
             if self.proposer is not None:
                 with self.clock.running():
                     begin = time.perf_counter_ns()

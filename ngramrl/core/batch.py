@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,7 +52,7 @@ from ngramrl.core.estimate import MatchState, advance
 from ngramrl.core.extension import native_module
 from ngramrl.core.history import RolloutHistory, token_ids
 from ngramrl.core.native import NativeCore
-from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, Survival, plan_outcomes
+from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower, PrefetchSpan, Survival, plan_outcomes
 from ngramrl.core.rows import DraftBatch, OutcomeBatch
 
 
@@ -73,6 +74,8 @@ class DraftingCore(Protocol):
     def wait_idle(self, seconds: float) -> bool: ...
     def stop(self, cancel: bool = False) -> None: ...
     def collect(self, cancel: bool = False) -> OutcomeBatch: ...
+    def set_budget(self, budget: int) -> None: ...
+    def take_span(self) -> PrefetchSpan | None: ...
     def observe(self, probs: Any, offsets: Any, accepted: Any) -> None: ...
     def chances(self, probs: Any, offsets: Any) -> np.ndarray: ...
     def continuations(self, prompt_id: str, prompt: Any, output: Any, m: int) -> list[tuple[int, int]]: ...
@@ -395,6 +398,16 @@ class ReferenceCore:
     def collect(self, cancel: bool = False) -> OutcomeBatch:
         """What the last prefetch chose (it ran to the end: the reference has no background)."""
         return self._outcomes
+
+    def set_budget(self, budget: int) -> None:
+        """Prefetch with ``budget`` lookups per request from now on; the next prefetch plans
+        without a floor (the last cut was another budget's)."""
+        self.prefetch_config = replace(self.prefetch_config, budget=int(budget))
+        self._last_cut = 0.0
+
+    def take_span(self) -> PrefetchSpan | None:
+        """None: the reference prefetches in the calling thread, there is no forward it runs beside."""
+        return None
 
     # -- calibration -----------------------------------------------------------------------
 

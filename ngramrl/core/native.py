@@ -7,6 +7,7 @@ once; the C++ side releases the GIL for the work. See docs/native.md for the lay
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ import numpy as np
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.cost import checked_fit
 from ngramrl.core.drafter import Draft
-from ngramrl.core.outcome import allocation
+from ngramrl.core.outcome import PrefetchSpan, allocation
 from ngramrl.core.rows import SOURCES, DraftBatch, OutcomeBatch
 
 
@@ -153,6 +154,21 @@ class NativeCore:
         """Wait for the background work (``cancel``: stop the prefetch lookups not yet started);
         what the prefetch found stays for the next step."""
         self._core.stop(bool(cancel))
+
+    def set_budget(self, budget: int) -> None:
+        """Prefetch with ``budget`` lookups per request from now on (``PrefetchConfig.budget``'s
+        meaning; the rest of the config stays)."""
+        self.prefetch_config = replace(self.prefetch_config, budget=int(budget))
+        limit, shared = allocation(self.prefetch_config)
+        self._core.set_budget(limit, self.prefetch_config.budget if shared else -1)
+
+    def take_span(self) -> PrefetchSpan | None:
+        """The last background prefetch a cancelling ``stop`` ended (once), or None."""
+        span = self._core.take_span()
+        if span is None:
+            return None
+        chosen, done, work_ns, window_ns = span
+        return PrefetchSpan(int(chosen), int(done), work_ns / 1e9, window_ns / 1e9)
 
     def collect(self, cancel: bool = False) -> OutcomeBatch:
         """Wait for the background work (``cancel``: stop the prefetch lookups not yet started) and

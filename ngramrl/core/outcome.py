@@ -230,6 +230,38 @@ def allocation(config: PrefetchConfig) -> tuple[int, bool]:
     return (SHARE_CAP * config.budget if shared else config.budget), shared
 
 
+@dataclass(frozen=True)
+class PrefetchSpan:
+    """One background prefetch, as the next step's cancelling stop found it: the outcomes it chose
+    (-1: the stop came during its planning), how many it looked up, the seconds from its call to the
+    end of its work, and from its call to the stop (the forward's length, and the host's work)."""
+
+    chosen: int
+    done: int
+    work_s: float
+    window_s: float
+
+
+GROW_SHARE = 1 / 3    # a prefetch that took at most this share of its window doubles the budget
+SHRINK_SHARE = 1 / 3  # one cancelled before this share of its lookups halves it
+
+
+def next_budget(budget: int, config: PrefetchConfig, span: PrefetchSpan) -> int:
+    """The per-request budget for the next prefetch, between ``config.budget`` and
+    ``config.max_budget``: twice ``budget`` where the last prefetch finished everything it chose
+    within a third of the time the forward left it, half where the stop cut it before a third of
+    its lookups (or in its planning), else the same. Lookups run likeliest first, so a budget that
+    the forward cuts short still gets the likeliest ones; what a too large budget wastes is the
+    planning of outcomes never looked up. Doubling from a third of the window stays within it, and
+    halving after less than a third done would not grow back (hysteresis, not oscillation)."""
+    ceiling = max(config.budget, config.max_budget)
+    if span.chosen > 0 and span.done == span.chosen and span.work_s <= GROW_SHARE * span.window_s:
+        return min(ceiling, 2 * budget)
+    if span.chosen < 0 or span.done < SHRINK_SHARE * span.chosen:
+        return max(config.budget, budget // 2)
+    return budget
+
+
 def allocate(candidates: dict[str, list[Outcome]], config: PrefetchConfig) -> dict[str, list[Outcome]]:
     """Choose outcomes to prefetch: at most ``budget`` per request and ``global_budget`` overall,
     never below ``min_probability``, likeliest first across the batch; with a shared budget

@@ -20,6 +20,7 @@ import numpy as np
 
 from ngramrl.config import DrafterConfig, NgramRLConfig
 from ngramrl.core.batch import make_core
+from ngramrl.core.outcome import next_budget
 from ngramrl.core.rows import DraftBatch
 
 
@@ -107,6 +108,9 @@ class CoreSource:
                               follow=True)
         self.k = k
         self.offloads = background
+        self.prefetch = config.prefetch
+        self.budget = config.prefetch.budget  # grows where the forward leaves the prefetch time (next_budget)
+        self.budget_spent = [0, 0]  # the budgets the prefetches ran with, summed, and the prefetches
 
     def start_many(self, req_ids: list[str], prompt_ids: list[str], prompts: list[list[int]],
                    befores: list[list[int]]) -> list[int]:
@@ -116,9 +120,16 @@ class CoreSource:
         self.core.finish_many(requests, epochs)
 
     def begin_step(self) -> None:
-        """Stop the prefetch (its finished lookups are kept for this step)."""
+        """Stop the prefetch (its finished lookups are kept for this step), and set the next one's
+        budget from the time it had (``next_budget``)."""
         if self.offloads:
             self.core.stop(cancel=True)
+            span = self.core.take_span()
+            if span is not None:
+                budget = next_budget(self.budget, self.prefetch, span)
+                if budget != self.budget:
+                    self.core.set_budget(budget)
+                    self.budget = budget
 
     def draft(self, rows: StepRows) -> DraftBatch:
         """All rows in one call of the core. A row without room (k = 0: drafting does not pay at
@@ -155,6 +166,8 @@ class CoreSource:
             looked = np.asarray(handles, dtype=np.int64)[drafting]
             offsets = np.append(sent.offsets[:-1][drafting], sent.offsets[-1])
         self.core.prefetch(looked, sent.tokens, offsets, sent.probs, self.k, absorb=handles)
+        self.budget_spent[0] += self.budget
+        self.budget_spent[1] += 1
 
     def lengths(self, drafts: DraftBatch, scale: float, fit: tuple[float, ...], min_gain: float, adaptive: bool,
                 probe_tokens: int) -> tuple[Any, float, bool, bool]:
@@ -185,6 +198,9 @@ class CoreSource:
         timings = self.core.timings() if self.core.native else None
         if self.offloads and timings is not None:
             stats.update(prefetch_dispatched=timings["prefetch_lookups"], prefetch_failed=0,
-                         prefetch_plan_us_median=timings["plan_ns"] / 1000 / max(1, timings["plan_rows"]))
+                         prefetch_plan_us_median=timings["plan_ns"] / 1000 / max(1, timings["plan_rows"]),
+                         prefetch_budget=self.budget)
+            if self.budget_spent[1]:
+                stats["prefetch_budget_mean"] = self.budget_spent[0] / self.budget_spent[1]
         return stats
 

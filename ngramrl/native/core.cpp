@@ -770,13 +770,36 @@ public:
                                   " draft tokens");
         std::vector<Request*> reqs = rows_of(handles), first;
         for (int64_t h : absorb_first) first.push_back(&get(h));
-        workers_.submit([this, reqs, first, tokens, offsets, probs, k] {
+        span_open_ = true;
+        workers_.submit([this, reqs, first, tokens, offsets, probs, k, called = now_ns()] {
+            span_ = Span{called, 0, -1, 0};
             if (!first.empty()) timed_absorb(first);
             cache_.reset(0);
             outcomes_.clear();
             ++prefetches_;
             run_prefetch(reqs, tokens, offsets, probs, k);
+            span_.ended_ns = now_ns();
         });
+    }
+
+    // The per-request budget in effect (``limit``: the most outcomes one request gets;
+    // ``shared_budget``: the batch's total per planned request, -1 without one). The next prefetch
+    // plans without a floor: the last cut was another budget's.
+    void set_budget(int32_t limit, int64_t shared_budget) {
+        join();
+        prefetch_.allocate.budget = limit;
+        prefetch_.shared_budget = shared_budget;
+        last_cut_ = 0.0;
+    }
+
+    // The last prefetch that a cancelling stop ended, once: (outcomes chosen, -1 where the
+    // cancel came during the planning; outcomes looked up; ns from the call to the work's end;
+    // ns from the call to the stop), or None.
+    py::object take_span() {
+        if (!span_report_) return py::none();
+        span_report_ = false;
+        return py::make_tuple(reported_.chosen, reported_.done, reported_.ended_ns - reported_.begun_ns,
+                              stopped_ns_ - reported_.begun_ns);
     }
 
     // Wait at most ``seconds`` for the background work (a forward's length); whether it finished.
@@ -784,9 +807,16 @@ public:
 
     // Stop (cancel: the prefetch lookups not yet started are dropped) or finish the background work.
     void stop(bool cancel) {
+        const int64_t called = now_ns();  // the forward's end: the time the prefetch had
         if (cancel) cancel_.store(true);
         join();
         cancel_.store(false);
+        if (span_open_ && cancel) {
+            reported_ = span_;
+            stopped_ns_ = called;
+            span_report_ = true;
+        }
+        span_open_ = false;
     }
 
     // stop, then the outcomes the last prefetch looked up (as arrays: a cost the engine's step
@@ -910,7 +940,7 @@ public:
 private:
     History history_;
     const DrafterConfig config_;
-    const PrefetchConfig prefetch_;
+    PrefetchConfig prefetch_;  // its budget changes only in set_budget, with no background work running
     const bool follow_;  // calibrate from every draft by following the committed tokens (DraftFollower)
     int64_t followed_drafts_ = 0, followed_accepted_ = 0;
     uint64_t checked_calls_ = 0;  // calls whose rows rows_of checked (each request notes the last that named it)
@@ -930,6 +960,14 @@ private:
     bool cache_valid_ = false;  // the last prefetch's, not used by a step yet
     uint64_t prefetches_ = 0;   // prefetches run (the generation of Walked states)
     double last_cut_ = 0.0;     // the last prefetch's cut (outcome.budget_cut)
+    // A prefetch's span: when it was called and its work ended, its outcomes chosen (-1: cancelled
+    // in the planning) and looked up; written by its job (jobs run in order), read after a join.
+    struct Span {
+        int64_t begun_ns, ended_ns, chosen, done;
+    };
+    Span span_{0, 0, -1, 0}, reported_{0, 0, -1, 0};
+    bool span_open_ = false, span_report_ = false;
+    int64_t stopped_ns_ = 0;
     std::vector<Prefetched> outcomes_;
     std::atomic<bool> cancel_{false};
     // Time spent in each kind of work since the core was made (ns), and the rows it covered.
@@ -1409,6 +1447,7 @@ private:
         Automaton* global = history_.built_global();
         const double floor = prefetch_.plan_floor * last_cut_;
         last_cut_ = 0.0;  // until this prefetch has allocated a batch's total (a cancelled one has no cut)
+        span_.chosen = 0;
         if (alloc.budget <= 0 || (config_.use_global && global == nullptr)) return;
         std::vector<int32_t> rows;
         for (size_t i = 0; i < reqs.size(); ++i)
@@ -1468,6 +1507,8 @@ private:
                 lookup_ns += now_ns() - t2;
             });
             for (size_t n = 0; n < rows.size(); ++n) found[n].resize(looked[n]);  // (the rest were not looked up)
+            span_.chosen = planned.load() < static_cast<int64_t>(rows.size()) ? -1 : 0;
+            for (size_t n = 0; span_.chosen >= 0 && n < rows.size(); ++n) span_.chosen += static_cast<int64_t>(chosen[n].size());
         } else {
             // A budget across the batch: every row's outcomes first, then the allocation, then lookups.
             std::vector<std::vector<OutcomeOut>> candidates(rows.size());
@@ -1491,7 +1532,10 @@ private:
                 }
                 predict_rows(group, begins, ends, n, tokens, probs, global, floor, candidates.data() + first);
             });
-            if (cancelled.load()) return;  // a budget allocated over part of the batch is not the reference's
+            if (cancelled.load()) {  // a budget allocated over part of the batch is not the reference's
+                span_.chosen = -1;
+                return;
+            }
             std::vector<std::vector<OutcomeOut>> chosen;
             allocate(candidates, keys, alloc, chosen);
             last_cut_ = budget_cut(chosen, alloc.global_budget);
@@ -1505,6 +1549,7 @@ private:
             std::vector<Job> jobs;
             for (size_t n = 0; n < rows.size(); ++n)
                 for (const auto& o : chosen[n]) jobs.push_back(Job{n, o});
+            span_.chosen = static_cast<int64_t>(jobs.size());
             // Likeliest first across the batch: what a cancel leaves undone is the least likely.
             std::stable_sort(jobs.begin(), jobs.end(),
                              [](const Job& x, const Job& y) { return x.outcome.probability > y.outcome.probability; });
@@ -1532,6 +1577,7 @@ private:
         }
         size_t total = 0;
         for (const auto& f : found) total += f.size();
+        span_.done = static_cast<int64_t>(total);
         outcomes_.reserve(total);
         cache_.reset(total);
         for (auto& f : found) {
@@ -1556,8 +1602,8 @@ using namespace ngramrl;
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
-    // What ngramrl.core.extension checks for: Core takes plan_floor (the newest interface change).
-    m.attr("plan_floor_interface") = true;
+    // What ngramrl.core.extension checks for: Core has set_budget (the newest interface change).
+    m.attr("budget_interface") = true;
     // xtx and xty are updated in place: an array that would need converting is refused, not copied
     m.def("step_cost_fold", &step_cost_fold, py::arg("xtx").noconvert(), py::arg("xty").noconvert(), py::arg("yty"),
           py::arg("observed"), py::arg("knees"), py::arg("decay"));
@@ -1670,6 +1716,8 @@ PYBIND11_MODULE(_native, m) {
              })
         .def("collect", &Core::collect)
         .def("stop", &Core::stop, py::call_guard<py::gil_scoped_release>())
+        .def("set_budget", &Core::set_budget, py::call_guard<py::gil_scoped_release>())
+        .def("take_span", &Core::take_span)
         .def("wait_idle", &Core::wait_idle, py::call_guard<py::gil_scoped_release>())
         .def("observe",
              [](Core& c, F64 probs, I64 offsets, I64 accepted) {

@@ -188,6 +188,28 @@ def test_a_prefetching_native_core_works_during_the_forward_and_the_drafts_stay_
     assert abs(steps[0] - steps[1]) <= 0.05 * steps[0]
 
 
+@pytest.mark.parametrize("max_budget", [2, 8])
+def test_the_prefetchs_budget_grows_to_its_most_where_the_forward_leaves_the_background_idle(max_budget):
+    from ngramrl.config import NgramRLConfig, PrefetchConfig
+    from ngramrl.core.extension import native_module
+
+    if native_module() is None:
+        pytest.skip("the native core is not built: the reference core prefetches in the call, with no forward beside")
+    trace = toy_trace(epochs=3, prompts=2, samples=4, length=80)
+    workload = prepare_workload(trace, first_epoch=2)
+    config = NgramRLConfig(prefetch=PrefetchConfig(budget=2, max_budget=max_budget))
+    engine = build_engine("ngramrl-prefetch", workload, k=4, times=LinearTimes(base=0.02), flush_bytes=0,
+                          config=config)
+    engine.proposer.offload = None  # every step hands its work to the background (prefetch "on")
+    engine.run_phase(workload.phases[0], batch=4)
+    engine.close()
+    stats = engine.proposer.source.stats()
+    # a few rows' prefetch takes microseconds of a 20 ms forward: it doubles each step up to its most
+    assert stats["prefetch_budget"] == max_budget
+    assert 2 <= stats["prefetch_budget_mean"] <= max_budget and (stats["prefetch_budget_mean"] > 2) == (max_budget > 2)
+    assert engine.proposer.core.prefetch_config.budget == max_budget
+
+
 def test_step_statistics_count_the_steps_with_the_batch_full():
     def record(rows, critical_us):
         return StepRecord(rows, rows, 0, rows, 0.01, 0.0, critical_us * 1000, 0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -168,6 +169,10 @@ def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
             now = rng.random() < 0.5
             ref.absorb(absorbed, now=now)
             nat.absorb(absorbed, now=now)
+        if rng.random() < 0.1:  # the engine's source moves the budget with the forward's length
+            budget = rng.choice([0, 1, 4, 16, 32])
+            ref.set_budget(budget)
+            nat.set_budget(budget)
         if rng.random() < 0.8:
             sent = [h for h in handles if rng.random() < 0.9]
             cut = {h: rng.randrange(len(last[h][0]) + 1) for h in sent}
@@ -420,6 +425,49 @@ def test_a_stopped_prefetch_leaves_its_drafts_to_the_next_step():
         assert first.draft(0).tokens == [2, 7, 8]  # from the latest "1"
         committed = [2, 3]  # the likeliest outcome: 2 accepted, then 3 (what followed "1 2" first)
         assert core.step([h], committed, [0, len(committed)], [4]).prefetched[0]
+
+
+def test_a_cancelling_stop_reports_the_prefetchs_span_once():
+    """The engine's source sets the next budget from the time the last prefetch had: what it chose,
+    what it looked up, how long its work took and how long it had until the stop."""
+    core = make_core(HistoryConfig(prompt_tail=0), DrafterConfig(use_global=False), PrefetchConfig(budget=16),
+                     threads=2, native=True)
+    core.add_rollout("p", [9], [1, 2, 3, 4, 5, 6, 1, 2, 7, 8, 1, 5, 5], 0)
+    h = core.start("p", [9], [])
+    first = core.step([h], [1], [0, 1], [4])
+    assert core.take_span() is None
+    core.prefetch([h], first.tokens, first.offsets, first.probs, 4, absorb=[h])
+    core.wait_idle(10.0)
+    time.sleep(0.05)  # the forward goes on after the prefetch has finished
+    core.stop(cancel=True)
+    span = core.take_span()
+    assert 0 < span.chosen == span.done == len(core.collect())
+    assert 0 < span.work_s < span.window_s and span.window_s >= 0.05
+    assert core.take_span() is None  # reported once
+    core.prefetch([h], first.tokens, first.offsets, first.probs, 4)
+    core.stop()  # a stop that waits for the work: no forward ended it
+    assert core.take_span() is None
+    core.close()
+
+
+def test_a_new_budget_changes_how_many_outcomes_the_next_prefetch_looks_up():
+    trace = read_trace(next(p for p in builtin_traces() if "gsm" in p and "t0.6" in p))
+    for core in pair(HistoryConfig(), DrafterConfig(stop_tokens=tuple(trace.header.eos_token_ids)),
+                     PrefetchConfig(budget=2)):
+        for r in trace.rollouts:
+            if r.epoch < 3:
+                core.add_rollout(r.prompt_id, r.prompt, r.output, r.epoch)
+        running = [r for r in trace.rollouts if r.epoch == 3][:8]
+        handles = [core.start(r.prompt_id, r.prompt, [], True) for r in running]
+        drafts = core.step(handles, [r.output[0] for r in running], list(range(len(running) + 1)), [8] * 8)
+        core.absorb(handles, now=True)
+        looked = []
+        for budget in (2, 8, 2):
+            core.set_budget(budget)
+            core.prefetch(handles, drafts.tokens, drafts.offsets, drafts.probs, 8)
+            looked.append(len(core.collect()))
+        assert looked[0] == looked[2] == 2 * len(handles) < looked[1] <= 8 * len(handles), type(core).__name__
+        assert core.prefetch_config.budget == 2
 
 
 def outcomes_by_row(outcomes: OutcomeBatch) -> dict[int, list[tuple[int, int, float]]]:

@@ -13,11 +13,13 @@ from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import (
     AcceptanceCalibration,
     Outcome,
+    PrefetchSpan,
     accepted_length_distribution,
     allocate,
     allocation,
     budget_cut,
     budget_total,
+    next_budget,
     predict_outcomes,
 )
 from ngramrl.core.prefetch import Prefetcher, ThreadLookupWorker
@@ -269,6 +271,52 @@ def test_a_shared_budget_goes_to_the_batchs_likeliest_outcomes_up_to_twice_a_sha
     assert allocation(PrefetchConfig(budget=5)) == (10, True)
     assert allocation(PrefetchConfig(budget=5, global_budget=7)) == (5, False)  # an explicit total wins
     assert allocation(PrefetchConfig(budget=5, share_budget=False)) == (5, False)
+
+
+def test_the_budget_grows_where_the_forward_leaves_time_and_shrinks_where_it_cuts_the_lookups():
+    config = PrefetchConfig(budget=16, max_budget=64)
+    idle = PrefetchSpan(chosen=100, done=100, work_s=0.010, window_s=0.040)  # done in a quarter
+    assert next_budget(16, config, idle) == 32
+    assert next_budget(32, config, idle) == 64
+    assert next_budget(64, config, idle) == 64  # not past max_budget
+    busy = PrefetchSpan(chosen=100, done=100, work_s=0.020, window_s=0.040)  # done in half: keep
+    assert next_budget(32, config, busy) == 32
+    nearly = PrefetchSpan(chosen=100, done=80, work_s=0.040, window_s=0.040)  # cut late: the likeliest done
+    assert next_budget(64, config, nearly) == 64
+    cut = PrefetchSpan(chosen=100, done=20, work_s=0.040, window_s=0.040)  # cut before a third
+    assert next_budget(64, config, cut) == 32
+    assert next_budget(16, config, cut) == 16  # never below budget
+    planning = PrefetchSpan(chosen=-1, done=0, work_s=0.040, window_s=0.040)  # cut while planning
+    assert next_budget(32, config, planning) == 16
+    nothing = PrefetchSpan(chosen=0, done=0, work_s=0.0001, window_s=0.040)  # nothing to look up
+    assert next_budget(16, config, nothing) == 16
+    fixed = PrefetchConfig(budget=16, max_budget=8)  # at most budget: the budget stays
+    assert next_budget(16, fixed, idle) == 16
+    with pytest.raises(ValueError, match="max_budget must be >= 0"):
+        PrefetchConfig(max_budget=-1)
+
+
+def modelled_span(budget: int, window: float, plan_share: float) -> PrefetchSpan:
+    """A prefetch whose work grows with its budget, ``plan_share`` of it planning before any lookup,
+    cut at the end of ``window``."""
+    work = 1e-4 * budget
+    if work <= window:
+        return PrefetchSpan(budget, budget, work, window)
+    done = int(budget * max(0.0, window - plan_share * work) / ((1 - plan_share) * work))
+    return PrefetchSpan(budget if window > plan_share * work else -1, done, window, window)
+
+
+def test_a_budget_that_grew_from_a_third_of_its_window_is_not_cut_and_one_that_shrank_does_not_grow_back():
+    """Work that grows with the budget (planning a share of it) settles instead of oscillating."""
+    config = PrefetchConfig(budget=1, max_budget=1 << 20)
+    for window in (0.01, 0.05, 0.3):
+        for plan_share in (0.0, 0.3, 0.7):
+            budget, seen = 1, []
+            for _ in range(40):
+                budget = next_budget(budget, config, modelled_span(budget, window, plan_share))
+                seen.append(budget)
+            assert len(set(seen[-20:])) == 1, f"window {window}, planning {plan_share}: {seen}"
+            assert modelled_span(seen[-1], window, plan_share).work_s > window / 3 / 2  # it grew into the window
 
 
 def test_calibration_learns_from_outcomes_only():
