@@ -10,11 +10,11 @@ finished request's slot goes to the next one (continuous batching). Each step:
 2. The forward takes the time a step-cost model (``StepTimes``, e.g. a ``StepProfile``) gives
    for the step's shape; a synchronous scheduler adds the host's work per step, an asynchronous
    one hides it behind the forward. The simulated clock, from which the proposer's step-cost
-   model learns, advances by that much; no real time passes.
+   model learns, advances by that much.
 3. Meanwhile, for real: a pass over a buffer larger than the caches stands for the forward's
    memory traffic (it leaves the drafter's data out of the caches, as a forward does), and the
-   drafting core's background work (inserts and prefetch, where the proposer prefetches on the
-   native core) gets up to the forward's length of real time.
+   forward's length passes in real time (spinning), during which the drafting core's background
+   work runs (inserts and prefetch, where the proposer prefetches on the native core).
 4. The proposer is called with each row's committed tokens (vLLM's ``propose`` convention, on
    ``StandInRunner``); its time is measured (real CPU time, on the critical path of a
    synchronous engine) and its drafts go to the next forward.
@@ -269,17 +269,18 @@ class SimulatedEngine:
             host = self.times.host.seconds(len(rows))
             self.clock.advance(forward + host if self.synchronous else max(forward, host))
             critical = offpath = 0
-            if background is not None:
-                # The background work has had real time since the proposer's last call returned
-                # (this loop's own work included); it gets the forward's length in all. The
-                # proposer's call then stops it, as at the forward's end in an engine (what is
-                # left of the row in hand is on the critical path). Work done early still waits
-                # out the forward (the prefetch's budget follows the time it had: next_budget),
-                # spinning, as a host thread waiting on the GPU does (CUDA's default wait spins).
-                if background.wait_idle(max(0.0, forward - (time.perf_counter() - returned))):
-                    while time.perf_counter() - returned < forward:
-                        pass
             if self.proposer is not None:
+                # The proposer is called a forward's length after its last call returned (this
+                # loop's own work included), spinning meanwhile as a host thread waiting on the
+                # GPU does (CUDA's default wait spins), whatever the method: what the wait does to
+                # the caches and the threads is the same for all. A prefetching core's background
+                # works during it (its budget follows the time it had: next_budget), and the
+                # proposer's call stops it, as at the forward's end in an engine (what is left of
+                # the row in hand is on the critical path).
+                if background is not None:
+                    background.wait_idle(max(0.0, forward - (time.perf_counter() - returned)))
+                while time.perf_counter() - returned < forward:
+                    pass
                 with self.clock.running():
                     begin = time.perf_counter_ns()
                     drafts = self.proposer.propose(sampled, lengths, None)
