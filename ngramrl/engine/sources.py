@@ -100,15 +100,18 @@ class CoreSource:
     """The drafting core (native when built) in the engine process: it holds the history and the
     acceptance calibration (learned by following every draft it makes), which its outcome model
     and its choice of draft lengths read. ``k``: the most draft tokens a step verifies per
-    request; ``background``: the forward leaves a core idle, so the step's inserts and the
-    prefetch of the next drafts run during it."""
+    request; ``background``: the step's inserts and the prefetch of the next drafts run during the
+    forward; ``budget_grows``: the forward leaves a core idle, so the prefetch's budget follows the
+    time it had (``next_budget``)."""
 
-    def __init__(self, config: NgramRLConfig, drafter: DrafterConfig, k: int, background: bool) -> None:
+    def __init__(self, config: NgramRLConfig, drafter: DrafterConfig, k: int, background: bool,
+                 budget_grows: bool = False) -> None:
         self.core = make_core(config.history, drafter, config.prefetch, threads=config.engine.draft_threads,
                               follow=True)
         self.k = k
         self.offloads = background
         self.prefetch = config.prefetch
+        self.budget_grows = budget_grows  # the forward leaves a core idle: the budget may follow its length
         self.budget = config.prefetch.budget  # grows where the forward leaves the prefetch time (next_budget)
         self.budget_spent = [0, 0]  # the budgets the prefetches ran with, summed, and the prefetches
 
@@ -125,7 +128,7 @@ class CoreSource:
         if self.offloads:
             self.core.stop(cancel=True)
             span = self.core.take_span()
-            if span is not None:
+            if span is not None and self.budget_grows:
                 budget = next_budget(self.budget, self.prefetch, span)
                 if budget != self.budget:
                     self.core.set_budget(budget)

@@ -269,8 +269,11 @@ class NgramRLProposer:
         # (rows, probe interval) of a batch whose backed-off probes were restarted when it drained:
         # the interval is resumed when a batch that large comes back (the next generate call).
         self._resume: tuple[int, int] | None = None
-        self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch,
-                                                             *_forward_resources(vllm_config))
+        device, machine, forward = _forward_resources(vllm_config)
+        self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch, device, machine, forward)
+        # The prefetch's budget grows into the forward's idle time only where a core is idle
+        # (prefetch "on" over a CPU forward's own cores would take more of them from it).
+        self.budget_grows = self.prefetching and (device != "cpu" or bool(self.prefetch_cores))
         self.source: DraftSource = self._make_source()
         self.core: Any = self.source.core  # the drafting core, where drafts are made in this process
         # "auto": the step's work goes to the background where that is faster (``OffloadChoice``);
@@ -280,7 +283,7 @@ class NgramRLProposer:
 
     def _make_source(self) -> DraftSource:
         """Where the drafts come from: the drafting core in this process."""
-        return CoreSource(self.config, self.drafter_config, self.k, self.prefetching)
+        return CoreSource(self.config, self.drafter_config, self.k, self.prefetching, self.budget_grows)
 
     def _prefetches_next(self, rows: int) -> bool:
         """Whether next drafts are worth prefetching now: the next step will look them up."""

@@ -12,11 +12,12 @@ from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, _cpu_list,
 
 
 def make_proposer(monkeypatch, cost, k=4, prefetch="off", prefetch_config=None, clock=time.perf_counter_ns,
-                  drafter=None, **engine):
+                  drafter=None, device_type="cpu", **engine):
     monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch, **engine),
                                                                prefetch=prefetch_config or PrefetchConfig(),
                                                                drafter=drafter or DrafterConfig())))
-    proposer = NgramRLProposer(standin_vllm_config(k, eos_token_ids=(2,), max_model_len=4096), clock=clock)
+    proposer = NgramRLProposer(standin_vllm_config(k, eos_token_ids=(2,), max_model_len=4096, device_type=device_type),
+                               clock=clock)
     proposer.cost = cost
     runner = StandInRunner()
     proposer.bind_runner(runner)
@@ -235,6 +236,25 @@ def test_background_worker_adds_the_committed_tokens_during_the_forward(monkeypa
         assert proposer.core.index_shape("q")[1] == 3 + 3 + 24
         made[mode] = drafts
     assert made["on"] == made["off"]
+
+
+@pytest.mark.parametrize("device, grows", [("cuda", True), ("cpu", False)])
+def test_the_prefetch_budget_grows_only_where_the_forward_leaves_a_core_idle(monkeypatch, device, grows):
+    """Prefetch "on" over a CPU forward's own cores keeps its budget: more work there would take
+    more of the forward's cores. Beside an accelerator's forward the idle time is the budget's."""
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), prefetch="on",
+                                        prefetch_config=PrefetchConfig(budget=2, max_budget=8), device_type=device)
+    if not proposer.core.native:
+        pytest.skip("the native core is not built: the reference core prefetches in the call")
+    assert proposer.budget_grows == grows
+    pattern = [100, 101, 102, 103, 104, 105]
+    proposer.core.add_rollout("p", [1, 2, 3], pattern * 20, epoch=0)
+    runner.add("r0", "p", [1, 2, 3])
+    for s in range(12):
+        step(proposer, runner, [pattern[s % 6]])
+        time.sleep(0.005)  # the forward: far longer than a row's prefetch
+    assert proposer.source.budget == (8 if grows else 2)
+    assert proposer.stats_dict()["prefetch_budget"] == proposer.source.budget
 
 
 def test_requests_that_join_together_and_leave_together_each_draft_and_end_as_their_own(monkeypatch):
