@@ -13,8 +13,10 @@ finished request's slot goes to the next one (continuous batching). Each step:
    model learns, advances by that much.
 3. Meanwhile, for real: a pass over a buffer larger than the caches stands for the forward's
    memory traffic (it leaves the drafter's data out of the caches, as a forward does), and the
-   forward's length passes in real time (spinning), during which the drafting core's background
-   work runs (inserts and prefetch, where the proposer prefetches on the native core).
+   forward's length passes in real time (spinning; ``bench-steps``; ``project`` goes on once the
+   drafting core's background is idle, as its runs would otherwise take their simulated time for
+   real), during which the drafting core's background work runs (inserts and prefetch, where the
+   proposer prefetches on the native core).
 4. The proposer is called with each row's committed tokens (vLLM's ``propose`` convention, on
    ``StandInRunner``); its time is measured (real CPU time, on the critical path of a
    synchronous engine) and its drafts go to the next forward.
@@ -190,8 +192,10 @@ class SimulatedEngine:
     ``seed_history`` loads the rollouts of the epochs before the first phase into it."""
 
     def __init__(self, proposer: Any, clock: VirtualClock, times: StepTimes, synchronous: bool,
-                 flush_bytes: int = 32 << 20, seed_history: Callable[[Any, list[Rollout]], None] | None = None) -> None:
+                 flush_bytes: int = 32 << 20, seed_history: Callable[[Any, list[Rollout]], None] | None = None,
+                 wait_out: bool = True) -> None:
         self.proposer = proposer
+        self.wait_out = wait_out  # each forward's length passes in real time before the proposer's call
         self.clock = clock
         self.times = times
         self.synchronous = synchronous
@@ -279,7 +283,7 @@ class SimulatedEngine:
                 # the row in hand is on the critical path).
                 if background is not None:
                     background.wait_idle(max(0.0, forward - (time.perf_counter() - returned)))
-                while time.perf_counter() - returned < forward:
+                while self.wait_out and time.perf_counter() - returned < forward:
                     pass
                 with self.clock.running():
                     begin = time.perf_counter_ns()
@@ -375,11 +379,15 @@ def _seed_baseline(proposer: Any, rollouts: list[Rollout]) -> None:
 
 
 def build_engine(method: str, workload: Workload, k: int, times: StepTimes, threads: int = 1,
-                 flush_bytes: int = 32 << 20, config: Any = None, cpu_scale: float = 1.0) -> SimulatedEngine:
+                 flush_bytes: int = 32 << 20, config: Any = None, cpu_scale: float = 1.0,
+                 wait_out: bool = True) -> SimulatedEngine:
     """A simulated engine drafting with ``method``, its history the workload's earlier epochs.
     ``config``: the ``NgramRLConfig`` for the ngramrl methods (its prefetch and draft-thread
     settings are set from the method and ``threads``). ``cpu_scale``: the proposers' CPU time
-    counts this many times what it takes here (the engine host's CPU against this one)."""
+    counts this many times what it takes here (the engine host's CPU against this one).
+    ``wait_out``: each forward's length passes in real time before the proposer is called (False:
+    at once, or once a prefetching core's background is idle, so the prefetch's budget grows only
+    into the time the replay's own work between two calls gives it)."""
     from dataclasses import replace
 
     from ngramrl.bench.proposers import PromptLookupProposer, SuffixProposer
@@ -404,6 +412,6 @@ def build_engine(method: str, workload: Workload, k: int, times: StepTimes, thre
         proposer = NgramRLProposer(standin_vllm_config(k, workload.eos_token_ids, device_type="cuda"),
                                    config=replace(base, engine=engine), clock=clock)
         seed = _seed_ngramrl
-    simulated = SimulatedEngine(proposer, clock, times, SYNCHRONOUS.get(method, True), flush_bytes, seed)
+    simulated = SimulatedEngine(proposer, clock, times, SYNCHRONOUS.get(method, True), flush_bytes, seed, wait_out)
     simulated.add_history(workload.history)
     return simulated

@@ -1,6 +1,7 @@
 """The engine-step harness: verification, continuous batching, the simulated clock the proposer
 learns from, the native core's background window, and the copies that fill a phase."""
 
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -208,6 +209,28 @@ def test_the_prefetchs_budget_grows_to_its_most_where_the_forward_leaves_the_bac
     assert stats["prefetch_budget"] == max_budget
     assert 2 <= stats["prefetch_budget_mean"] <= max_budget and (stats["prefetch_budget_mean"] > 2) == (max_budget > 2)
     assert engine.proposer.core.prefetch_config.budget == max_budget
+
+
+@pytest.mark.parametrize("wait_out", [True, False])
+def test_the_proposer_is_called_a_forwards_length_after_its_last_call_unless_told_not_to_wait(wait_out):
+    truth = {f"r{i}": list(range(10, 10 + n)) for i, n in enumerate([12, 9, 14])}
+    oracle = Oracle(truth, k=0)  # no drafts: one token per forward, a step per token
+    called = []
+    propose = oracle.propose
+
+    def timed(*args):
+        called.append(time.perf_counter())
+        return propose(*args)
+
+    oracle.propose = timed
+    engine = SimulatedEngine(oracle, VirtualClock(), LinearTimes(base=0.01), synchronous=False, flush_bytes=0,
+                             wait_out=wait_out)
+    engine.run_phase(requests([12, 9, 14]), batch=3)
+    gaps = sorted(b - a for a, b in zip(called, called[1:], strict=False))
+    if wait_out:
+        assert gaps[0] >= 0.01  # every forward's 10 ms passed before the next call
+    else:
+        assert gaps[len(gaps) // 2] < 0.002
 
 
 def test_step_statistics_count_the_steps_with_the_batch_full():
