@@ -155,7 +155,7 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                           for key, value in asdict(summary).items()},
                        "prefetch_coverage": prefetch_coverage(engine.proposer),
                        "resumed_misses": resumed_misses(engine.proposer),
-                       "budget_mean": budget_mean(engine.proposer) if budgets is not None else None}
+                       "budget_mean": budget_mean(engine.proposer)}
                 runs.append(run)
                 write(partial=True)
                 log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} T={run['threads']:<3} "

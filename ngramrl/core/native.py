@@ -19,6 +19,13 @@ from ngramrl.core.outcome import PrefetchSpan, allocation
 from ngramrl.core.rows import SOURCES, DraftBatch, OutcomeBatch
 
 
+def _budget_args(prefetch: PrefetchConfig) -> tuple[int, int]:
+    """The C++ core's budget: the most outcomes one request gets, and the batch's total per planned
+    request (-1 without a shared budget), as ``outcome.allocation`` says."""
+    limit, shared = allocation(prefetch)
+    return limit, prefetch.budget if shared else -1
+
+
 class NativeCore:
     native = True
 
@@ -31,7 +38,7 @@ class NativeCore:
             raise ValueError(f"NativeCore threads must be >= 1, got {threads}")
         self.history_config, self.drafter_config, self.prefetch_config = history, drafter, prefetch
         self.threads = threads
-        limit, shared = allocation(prefetch)
+        limit, shared_budget = _budget_args(prefetch)
         self._core = module.Core(
             rollouts_per_prompt=history.rollouts_per_prompt, epochs_kept=history.epochs_kept,
             max_tokens=history.max_tokens, prompt_tail=history.prompt_tail,
@@ -40,7 +47,7 @@ class NativeCore:
             path_width=drafter.path_width,
             stop_tokens=[int(t) for t in drafter.stop_tokens],
             budget=limit, global_budget=-1 if prefetch.global_budget is None else prefetch.global_budget,
-            shared_budget=prefetch.budget if shared else -1, plan_floor=prefetch.plan_floor,
+            shared_budget=shared_budget, plan_floor=prefetch.plan_floor,
             min_probability=prefetch.min_probability, levels=prefetch.levels,
             prior_strength=prefetch.prior_strength, calibration_decay=prefetch.calibration_decay, threads=threads,
             follow=follow)
@@ -159,8 +166,7 @@ class NativeCore:
         """Prefetch with ``budget`` lookups per request from now on (``PrefetchConfig.budget``'s
         meaning; the rest of the config stays)."""
         self.prefetch_config = replace(self.prefetch_config, budget=int(budget))
-        limit, shared = allocation(self.prefetch_config)
-        self._core.set_budget(limit, self.prefetch_config.budget if shared else -1)
+        self._core.set_budget(*_budget_args(self.prefetch_config))
 
     def take_span(self) -> PrefetchSpan | None:
         """The last background prefetch a cancelling ``stop`` ended (once), or None."""

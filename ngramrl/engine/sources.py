@@ -110,10 +110,14 @@ class CoreSource:
                               follow=True)
         self.k = k
         self.offloads = background
-        self.prefetch = config.prefetch
+        self.prefetch = config.prefetch  # the configured budget, the floor of the one in effect
         self.budget_grows = budget_grows  # the forward leaves a core idle: the budget may follow its length
-        self.budget = config.prefetch.budget  # grows where the forward leaves the prefetch time (next_budget)
-        self.budget_spent = [0, 0]  # the budgets the prefetches ran with, summed, and the prefetches
+        self._budget_sum = self._prefetches = 0  # the budgets the prefetches ran with, and the prefetches
+
+    @property
+    def budget(self) -> int:
+        """The per-request budget in effect (the core's; ``next_budget`` moves it)."""
+        return self.core.prefetch_config.budget
 
     def start_many(self, req_ids: list[str], prompt_ids: list[str], prompts: list[list[int]],
                    befores: list[list[int]]) -> list[int]:
@@ -132,7 +136,6 @@ class CoreSource:
                 budget = next_budget(self.budget, self.prefetch, span)
                 if budget != self.budget:
                     self.core.set_budget(budget)
-                    self.budget = budget
 
     def draft(self, rows: StepRows) -> DraftBatch:
         """All rows in one call of the core. A row without room (k = 0: drafting does not pay at
@@ -169,8 +172,8 @@ class CoreSource:
             looked = np.asarray(handles, dtype=np.int64)[drafting]
             offsets = np.append(sent.offsets[:-1][drafting], sent.offsets[-1])
         self.core.prefetch(looked, sent.tokens, offsets, sent.probs, self.k, absorb=handles)
-        self.budget_spent[0] += self.budget
-        self.budget_spent[1] += 1
+        self._budget_sum += self.budget
+        self._prefetches += 1
 
     def lengths(self, drafts: DraftBatch, scale: float, fit: tuple[float, ...], min_gain: float, adaptive: bool,
                 probe_tokens: int) -> tuple[Any, float, bool, bool]:
@@ -203,7 +206,7 @@ class CoreSource:
             stats.update(prefetch_dispatched=timings["prefetch_lookups"], prefetch_failed=0,
                          prefetch_plan_us_median=timings["plan_ns"] / 1000 / max(1, timings["plan_rows"]),
                          prefetch_budget=self.budget)
-            if self.budget_spent[1]:
-                stats["prefetch_budget_mean"] = self.budget_spent[0] / self.budget_spent[1]
+            if self._prefetches:
+                stats["prefetch_budget_mean"] = self._budget_sum / self._prefetches
         return stats
 

@@ -1507,8 +1507,11 @@ private:
                 lookup_ns += now_ns() - t2;
             });
             for (size_t n = 0; n < rows.size(); ++n) found[n].resize(looked[n]);  // (the rest were not looked up)
-            span_.chosen = planned.load() < static_cast<int64_t>(rows.size()) ? -1 : 0;
-            for (size_t n = 0; span_.chosen >= 0 && n < rows.size(); ++n) span_.chosen += static_cast<int64_t>(chosen[n].size());
+            if (planned.load() < static_cast<int64_t>(rows.size())) {
+                span_.chosen = -1;  // the stop came before every row was planned
+            } else {
+                for (const auto& mine : chosen) span_.chosen += static_cast<int64_t>(mine.size());
+            }
         } else {
             // A budget across the batch: every row's outcomes first, then the allocation, then lookups.
             std::vector<std::vector<OutcomeOut>> candidates(rows.size());
