@@ -591,9 +591,11 @@ public:
                                   " rows");
         std::vector<Request*> reqs = rows_of(handles);
         const std::vector<size_t> order = arrival_order(reqs);
-        if (follow_)
-            for (const size_t i : order)
-                follow_committed(*reqs[i], tokens.data() + offsets[i], static_cast<size_t>(offsets[i + 1] - offsets[i]));
+        if (follow_) {
+            follow_accepted_.assign(rows, -1);
+            follow_upto_.resize(rows);
+            follow_cells_.resize(rows * follow_stride_);
+        }
         bool any_k = false;
         for (int32_t k : ks) any_k = any_k || k > 0;
         if (any_k) absorb_rows(reqs, order);
@@ -631,6 +633,7 @@ public:
                     if (!done_[i]) commit_row(*reqs[i], i, tokens, offsets, ks[i], mine);
             });
         }
+        if (follow_) observe_followed(order);
         for (const size_t i : order)
             if (wants_lookup_[i]) lookups_.push_back(static_cast<int32_t>(i));
         const int64_t committed_at = now_ns();
@@ -685,6 +688,7 @@ public:
                     r.following = true;
                     r.follow_tokens = drafts_[i].tokens;
                     r.follow_probs = drafts_[i].probs;
+                    follow_stride_ = std::max(follow_stride_, r.follow_probs.size());
                     r.follow_matched = 0;
                 }
         timings_["step_ns"] += now_ns() - begin;
@@ -943,6 +947,11 @@ private:
     PrefetchConfig prefetch_;  // its budget changes only in set_budget, with no background work running
     const bool follow_;  // calibrate from every draft by following the committed tokens (DraftFollower)
     int64_t followed_drafts_ = 0, followed_accepted_ = 0;
+    // A step's settled drafts (follow_row): per row the accepted count (-1: none settled) and the
+    // cells observed, follow_stride_ (the longest draft followed) apart.
+    std::vector<int32_t> follow_accepted_, follow_upto_;
+    std::vector<uint8_t> follow_cells_;
+    size_t follow_stride_ = 0;
     uint64_t checked_calls_ = 0;  // calls whose rows rows_of checked (each request notes the last that named it)
     Calibration calibration_;
     std::vector<std::unique_ptr<Request>> requests_;
@@ -982,7 +991,10 @@ private:
     void join() { workers_.wait(); }
 
     // DraftFollower.committed
-    void follow_committed(Request& r, const int32_t* tokens, size_t n) {
+    // DraftFollower for row i: its followed draft against the tokens it committed. Where they
+    // settle how much of the draft was accepted, the calibration cells it observes are noted for
+    // observe_followed (rows commit on any thread; the calibration's decay makes the order count).
+    void follow_row(Request& r, size_t i, const int32_t* tokens, size_t n) {
         if (!r.following) return;
         int32_t matched = r.follow_matched;
         bool resolved = false;
@@ -1002,9 +1014,23 @@ private:
             return;
         }
         r.following = false;
-        calibration_.observe(r.follow_probs.data(), static_cast<int>(r.follow_probs.size()), matched);
-        followed_drafts_ += 1;
-        followed_accepted_ += matched;
+        const int upto = std::min(static_cast<int>(r.follow_probs.size()), matched + 1);
+        uint8_t* cells = follow_cells_.data() + i * follow_stride_;
+        for (int position = 0; position < upto; ++position)
+            cells[position] = Calibration::cell_of(position, r.follow_probs[position]);
+        follow_upto_[i] = upto;
+        follow_accepted_[i] = matched;
+    }
+
+    // The drafts the step's rows settled, into the calibration in arrival order.
+    void observe_followed(const std::vector<size_t>& order) {
+        for (const size_t i : order) {
+            const int32_t accepted = follow_accepted_[i];
+            if (accepted < 0) continue;
+            calibration_.observe_cells(follow_cells_.data() + i * follow_stride_, follow_upto_[i], accepted);
+            followed_drafts_ += 1;
+            followed_accepted_ += accepted;
+        }
     }
 
     static int64_t now_ns() {
@@ -1178,6 +1204,7 @@ private:
     // one, else mark it in wants_lookup_.
     void commit_row(Request& r, size_t i, const Tokens& tokens, const std::vector<int64_t>& offsets, int32_t k,
                     Tokens& committed) {
+        if (follow_) follow_row(r, i, tokens.data() + offsets[i], static_cast<size_t>(offsets[i + 1] - offsets[i]));
         committed.assign(tokens.begin() + offsets[i], tokens.begin() + offsets[i + 1]);
         drafts_[i].clear();
         if (k <= 0) {

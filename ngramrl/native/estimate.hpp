@@ -857,18 +857,20 @@ public:
         return (cell.accepted + prior_strength_ * estimate) / (cell.trials + prior_strength_);
     }
 
+    // The cell a draft token's estimate at ``position`` falls in (bucket * kDeciles + decile).
+    static uint8_t cell_of(int position, double estimate) {
+        return static_cast<uint8_t>(bucket(position) * kDeciles + decile(estimate));
+    }
+
+    // A draft of n tokens with estimates ``probs`` of which ``accepted`` were accepted.
     void observe(const double* probs, int n, int accepted) {
         const int upto = std::min(n, accepted + 1);
-        for (int position = 0; position < upto; ++position) {
-            const int b = bucket(position), d = decile(probs[position]);
-            Cell& cell = cells_[b][d];
-            if (!cell.seen) {
-                cell.seen = true;
-                order_.emplace_back(b, d);
-            }
-            cell.accepted = decay_ * cell.accepted + (position < accepted ? 1 : 0);
-            cell.trials = decay_ * cell.trials + 1;
-        }
+        for (int position = 0; position < upto; ++position) observe_cell(cell_of(position, probs[position]), position < accepted);
+    }
+
+    // The same for a draft whose first ``upto`` tokens' cells were found already (cell_of).
+    void observe_cells(const uint8_t* cells, int upto, int accepted) {
+        for (int position = 0; position < upto; ++position) observe_cell(cells[position], position < accepted);
     }
 
     // [bucket, decile, accepted, trials] per cell, in the order cells were first seen.
@@ -895,6 +897,17 @@ public:
     }
 
 private:
+    void observe_cell(uint8_t code, bool accepted) {
+        const int b = code / kDeciles, d = code % kDeciles;
+        Cell& cell = cells_[b][d];
+        if (!cell.seen) {
+            cell.seen = true;
+            order_.emplace_back(b, d);
+        }
+        cell.accepted = decay_ * cell.accepted + (accepted ? 1 : 0);
+        cell.trials = decay_ * cell.trials + 1;
+    }
+
     struct Cell {
         bool seen = false;
         double accepted = 0.0;
