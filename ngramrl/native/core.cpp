@@ -990,8 +990,7 @@ private:
 
     void join() { workers_.wait(); }
 
-    // DraftFollower.committed
-    // DraftFollower for row i: its followed draft against the tokens it committed. Where they
+    // DraftFollower.committed for row i: its followed draft against the tokens it committed. Where they
     // settle how much of the draft was accepted, the calibration cells it observes are noted for
     // observe_followed (rows commit on any thread; the calibration's decay makes the order count).
     void follow_row(Request& r, size_t i, const int32_t* tokens, size_t n) {
