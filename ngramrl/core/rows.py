@@ -95,16 +95,18 @@ class DraftBatch:
         np.cumsum(keep, out=offsets[1:])
         return DraftBatch(self.tokens[mask], offsets, self.probs[mask], self.matched, self.source, self.prefetched)
 
-    def for_target(self, lengths: Any, vocab_size: int | None, size: int,
-                   positions: Any) -> tuple[DraftBatch, list[list[int]], int]:
+    def for_target(self, lengths: Any, vocab_size: int | None, size: int, positions: Any,
+                   recycled: Any = None) -> tuple[DraftBatch, list[list[int]], int]:
         """What goes to the target: ``truncated(lengths, vocab_size)``, its rows as vLLM's ``size``
         lists (row i in list ``positions[i]``, the others empty; ``lists``), and the tokens within
-        ``lengths`` before the vocabulary cut. One C++ pass where the native core is built."""
+        ``lengths`` before the vocabulary cut. One C++ pass where the native core is built;
+        ``recycled`` (``recycled_lists()``) makes the lists out of those handed out before that
+        only it still holds."""
         native = native_module()
         if native is not None:  # it checks and converts the arrays itself (each NumPy call costs after a forward)
             tokens, offsets, probs, lists, kept = native.target_rows(
                 self.tokens, self.offsets, self.probs, lengths, -1 if vocab_size is None else int(vocab_size),
-                int(size), positions)
+                int(size), positions, recycled)
             return DraftBatch(tokens, offsets, probs, self.matched, self.source, self.prefetched), lists, kept
         keep = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
@@ -125,6 +127,14 @@ class DraftBatch:
                    np.array([d.matched for d in drafts], dtype=np.int32),
                    np.array([SOURCES.index(d.source) for d in drafts], dtype=np.int8),
                    np.array(prefetched or [False] * len(drafts), dtype=bool))
+
+
+def recycled_lists() -> Any:
+    """What ``DraftBatch.for_target`` makes vLLM's lists of, step after step (the native core's
+    ``DraftLists``: each list handed out is held, and refilled once nobody else holds it, instead
+    of a new one allocated); None without the native core."""
+    native = native_module()
+    return native.DraftLists() if native is not None else None
 
 
 @dataclass

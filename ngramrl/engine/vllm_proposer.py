@@ -28,7 +28,7 @@ import numpy as np
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.cost import StepCostModel, drafting_pays
-from ngramrl.core.rows import DraftBatch, batch_ranks, committed_rows
+from ngramrl.core.rows import DraftBatch, batch_ranks, committed_rows, recycled_lists
 from ngramrl.engine.sources import CoreSource, DraftSource, StepRows
 
 CONFIG_ENV = "NGRAMRL_CONFIG"
@@ -249,6 +249,9 @@ class NgramRLProposer:
         # costs.
         self._last_batch: tuple[str, ...] = ()
         self._sent: tuple[np.ndarray, np.ndarray] = (np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
+        # vLLM's draft lists, refilled once vLLM lets go of them (a new list per row and step sets
+        # off the cycle collector at large batches; ``recycled_lists``).
+        self._draft_lists = recycled_lists()
         self._batch_states: tuple[tuple[str, ...], Any, np.ndarray] | None = None
         # Requests admitted that are not in the batch (finished, or not scheduled this step):
         # only these can have left the runner, so only these are looked for there.
@@ -370,7 +373,8 @@ class NgramRLProposer:
         # A draft goes to vLLM only as far as its tokens are ids of the target's vocabulary (its
         # kernels index the vocabulary with them; -1 is its padding).
         vocab = self.vocab_size if self.vocab_size is not None else NO_VOCAB_BOUND
-        sent, drafts, kept = made.for_target(lengths, vocab, len(sampled_token_ids), rows.index)  # an empty draft: []
+        sent, drafts, kept = made.for_target(lengths, vocab, len(sampled_token_ids), rows.index,  # an empty draft: []
+                                             self._draft_lists)
         verified = len(sent.tokens)  # draft tokens the next forward verifies
         self.stats.cut_tokens += len(made.tokens) - kept
         self.stats.invalid_tokens += kept - verified

@@ -1646,7 +1646,12 @@ PYBIND11_MODULE(_native, m) {
     m.def("draft_lists", &draft_lists, py::arg("size"), py::arg("positions"), py::arg("rows"), py::arg("tokens"),
           py::arg("offsets"));
     m.def("target_rows", &target_rows, py::arg("tokens"), py::arg("offsets"), py::arg("probs"), py::arg("keep"),
-          py::arg("vocab"), py::arg("size"), py::arg("positions"));
+          py::arg("vocab"), py::arg("size"), py::arg("positions"), py::arg("recycled").none(true) = nullptr);
+    py::class_<DraftLists>(m, "DraftLists")
+        .def(py::init<>())
+        .def_property_readonly("held", &DraftLists::held)
+        .def_property_readonly("refilled", &DraftLists::refilled)
+        .def("release", &DraftLists::release);
     py::class_<Core>(m, "Core")
         .def(py::init([](int64_t rollouts_per_prompt, int64_t epochs_kept, int64_t max_tokens, int64_t prompt_tail,
                          int32_t max_draft, double min_confidence, int32_t min_match, int32_t rematch_tokens,

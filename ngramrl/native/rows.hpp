@@ -214,18 +214,134 @@ inline CutRows cut_rows(const I32& tokens, const I64& offsets, const F64& probs,
     return cut;
 }
 
+// vLLM's draft lists, made again out of the ones vLLM has let go of. Each list handed out is
+// held here too; at the next call the lists that only this holds (a reference count of one:
+// nobody else can see them) are refilled in place instead of new ones being allocated. A new list
+// is a cycle-collector allocation: at 1024 rows the 1024 new lists of a step set off a collection
+// of the young generation inside every proposer call, more than 100 us, and now and then an older
+// generation's, tens of milliseconds (allocations net of deallocations start one, and a step's
+// new lists come before the last step's are freed). A refilled list also frees its old ints just
+// before the new ones are made, so the new ints take the blocks just freed, in the caches. A list
+// vLLM still holds after ``kMaxAge`` calls is let go of (no longer recycled).
+class DraftLists {
+public:
+    static constexpr uint32_t kMaxAge = 4;
+
+    DraftLists() = default;
+    DraftLists(const DraftLists&) = delete;
+    DraftLists& operator=(const DraftLists&) = delete;
+    ~DraftLists() { release(); }
+
+    // The lists held at the start of a call that only this holds, ready to refill; the others
+    // stay held unless too old.
+    void collect() {
+        ++calls_;
+        size_t kept = 0;
+        for (const Held& h : held_) {
+            if (Py_REFCNT(h.list) == 1)
+                spare_.push_back(h.list);
+            else if (calls_ - h.call > kMaxAge)
+                Py_DECREF(h.list);
+            else
+                held_[kept++] = h;
+        }
+        held_.resize(kept);
+    }
+
+    // A list of ``n`` items, all NULL (to be set, as after PyList_New): a spare one emptied, or a
+    // new one, untracked by the cycle collector (lists of ints cannot be part of a cycle, and
+    // vLLM holds them past the step: tracked, every collection would traverse them).
+    PyObject* take(Py_ssize_t n) {
+#ifndef Py_GIL_DISABLED
+        while (!spare_.empty()) {
+            PyObject* list = spare_.back();
+            spare_.pop_back();
+            if (refill(list, n)) {
+                ++refilled_;
+                return list;
+            }
+        }
+#endif
+        PyObject* list = PyList_New(n);
+        if (list == nullptr) throw py::error_already_set();
+        PyObject_GC_UnTrack(list);
+        return list;
+    }
+
+    // ``list`` goes to vLLM: held here too, from this call on.
+    void hand_out(PyObject* list) {
+        Py_INCREF(list);
+        held_.push_back(Held{list, calls_});
+    }
+
+    // The spares this call did not need are let go of.
+    void end_call() {
+        for (PyObject* list : spare_) Py_DECREF(list);
+        spare_.clear();
+    }
+
+    size_t held() const { return held_.size(); }
+    int64_t refilled() const { return refilled_; }
+
+    void release() {
+        end_call();
+        for (const Held& h : held_) Py_DECREF(h.list);
+        held_.clear();
+    }
+
+private:
+    struct Held {
+        PyObject* list;
+        uint32_t call;
+    };
+    std::vector<Held> held_;
+    std::vector<PyObject*> spare_;
+    uint32_t calls_ = 0;
+    int64_t refilled_ = 0;
+
+    // ``list`` (only this holds it) emptied and sized to ``n`` NULL items, as list_resize would;
+    // false (the list let go of) where its items are not all ints: freeing anything else may
+    // run code, which must not see the list half made.
+    static bool refill(PyObject* list, Py_ssize_t n) {
+        PyListObject* l = reinterpret_cast<PyListObject*>(list);
+        const Py_ssize_t size = Py_SIZE(list);
+        for (Py_ssize_t i = 0; i < size; ++i)
+            if (!PyLong_CheckExact(l->ob_item[i])) {
+                Py_DECREF(list);
+                return false;
+            }
+        if (n > l->allocated) {
+            PyObject** items = static_cast<PyObject**>(PyMem_Realloc(l->ob_item, static_cast<size_t>(n) * sizeof(PyObject*)));
+            if (items == nullptr) {
+                Py_DECREF(list);
+                return false;
+            }
+            for (Py_ssize_t i = 0; i < size; ++i) Py_DECREF(items[i]);
+            l->ob_item = items;
+            l->allocated = n;
+        } else {
+            for (Py_ssize_t i = 0; i < size; ++i) Py_DECREF(l->ob_item[i]);
+        }
+        for (Py_ssize_t i = 0; i < n; ++i) l->ob_item[i] = nullptr;
+        Py_SET_SIZE(list, n);
+        return true;
+    }
+};
+
 // ``size`` lists, list positions[i] holding row rows[i] (rows == nullptr: row i) of the flat
 // tokens (a later entry for the same position wins), the others empty, each its own object (vLLM
-// trims them in place). Each list is made once, and is not tracked by Python's cycle collector:
-// lists of ints cannot be part of a cycle, and vLLM holds them past the step, so tracked they
-// would be traversed by every collection until they die (at 1024 rows the collections inside the
-// proposer's call, set off by these allocations, took about 1 ms per step). Each token is a fresh
-// int: after a forward the caches are cold, and a step's fresh ints come from the allocator's pools
-// in sequence, where ints shared per token id are scattered over a vocabulary's worth of objects,
-// a cache miss per token (target_rows at 256 in flight in the step-time replay: 149 us with
-// shared ints, 63-66 us with fresh ones; docs/native.md).
+// trims them in place). Each list is made once (``recycled``: out of the lists vLLM let go of,
+// DraftLists), and is not tracked by Python's cycle collector: lists of ints cannot be part of a
+// cycle, and vLLM holds them past the step, so tracked they would be traversed by every
+// collection until they die (at 1024 rows the collections inside the proposer's call, set off by
+// these allocations, took about 1 ms per step). Each token is a fresh int: after a forward the
+// caches are cold, and a step's fresh ints come from the allocator's pools in sequence, where ints
+// shared per token id are scattered over a vocabulary's worth of objects, a cache miss per token
+// (target_rows at 256 in flight in the step-time replay: 149 us with shared ints, 63-66 us with
+// fresh ones; docs/native.md).
 inline py::list lists_of(int64_t size, const I64& positions, const int64_t* rows, const int32_t* tok,
-                         const int64_t* off, int64_t num_offsets, int64_t num_tokens, const char* where) {
+                         const int64_t* off, int64_t num_offsets, int64_t num_tokens, const char* where,
+                         DraftLists* recycled) {
     const int64_t n = positions.size();
     if (size < 0) throw py::value_error(std::string(where) + ": size " + std::to_string(size) + " < 0");
     const int64_t* at = positions.data();
@@ -241,24 +357,32 @@ inline py::list lists_of(int64_t size, const I64& positions, const int64_t* rows
                                   " offsets over " + std::to_string(num_tokens) + " tokens");
         row_at[at[i]] = row;
     }
+    DraftLists fresh;  // without recycling: new lists, nothing held past the call
+    DraftLists& lists = recycled ? *recycled : fresh;
+    lists.collect();
+    struct EndCall {
+        DraftLists& lists;
+        ~EndCall() { lists.end_call(); }
+    } end_call{lists};
     PyObject* out = PyList_New(size);
     if (out == nullptr) throw py::error_already_set();
     py::list result = py::reinterpret_steal<py::list>(out);
     for (int64_t p = 0; p < size; ++p) {
         const int64_t row = row_at[p];
         const int64_t begin = row < 0 ? 0 : off[row], end = row < 0 ? 0 : off[row + 1];
-        PyObject* list = PyList_New(end - begin);
-        if (list == nullptr) throw py::error_already_set();
+        PyObject* list = lists.take(end - begin);
         for (int64_t t = begin; t < end; ++t) {
             PyObject* value = PyLong_FromLong(tok[t]);
             if (value == nullptr) {
+                for (int64_t u = begin; u < t; ++u) Py_CLEAR(PyList_GET_ITEM(list, u - begin));
+                Py_SET_SIZE(list, 0);
                 Py_DECREF(list);
                 throw py::error_already_set();
             }
             PyList_SET_ITEM(list, t - begin, value);
         }
-        PyObject_GC_UnTrack(list);
         PyList_SET_ITEM(out, p, list);
+        if (recycled) recycled->hand_out(list);
     }
     return result;
 }
@@ -275,19 +399,19 @@ inline py::list draft_lists(int64_t size, const I64& positions, const I64& rows,
         throw py::value_error("draft_lists: " + std::to_string(positions.size()) + " positions but " +
                               std::to_string(rows.size()) + " rows");
     return lists_of(size, positions, rows.data(), tokens.data(), offsets.data(), offsets.size(), tokens.size(),
-                    "draft_lists");
+                    "draft_lists", nullptr);
 }
 
 // DraftBatch.for_target: truncated, then row i's draft in list positions[i] of ``size``, as
-// (tokens, offsets, probs, lists, tokens within keep).
+// (tokens, offsets, probs, lists, tokens within keep); the lists made of ``recycled``'s where given.
 inline py::tuple target_rows(const I32& tokens, const I64& offsets, const F64& probs, const I64& keep, int64_t vocab,
-                             int64_t size, const I64& positions) {
+                             int64_t size, const I64& positions, DraftLists* recycled) {
     if (positions.size() != keep.size())
         throw py::value_error("for_target: " + std::to_string(positions.size()) + " positions for " +
                               std::to_string(keep.size()) + " rows");
     CutRows cut = cut_rows(tokens, offsets, probs, keep, vocab, "for_target");
     py::list lists = lists_of(size, positions, nullptr, cut.tokens.data(), cut.offsets.data(), cut.offsets.size(),
-                              cut.tokens.size(), "for_target");
+                              cut.tokens.size(), "for_target", recycled);
     return py::make_tuple(cut.tokens, cut.offsets, cut.probs, lists, cut.kept);
 }
 

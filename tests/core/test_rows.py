@@ -9,7 +9,7 @@ import pytest
 
 from ngramrl.core.drafter import Draft
 from ngramrl.core.extension import native_module
-from ngramrl.core.rows import DraftBatch, batch_ranks, committed_rows
+from ngramrl.core.rows import DraftBatch, batch_ranks, committed_rows, recycled_lists
 
 pytest.importorskip("ngramrl._native", reason="the native core is not built (pip install . builds it)")
 
@@ -156,6 +156,56 @@ def test_for_target_gives_the_truncated_drafts_as_vllm_lists_and_counts_the_toke
         batch.for_target(lengths, 1000, 80, positions[1:])
     with pytest.raises(ValueError, match="position"):
         batch.for_target(lengths, 1000, 10, positions)
+
+
+def _random_batch(rng: random.Random, rows: int, longest: int) -> DraftBatch:
+    drafts = []
+    for _ in range(rows):
+        tokens = [rng.randrange(300, 50_000) for _ in range(rng.randrange(0, longest + 1))]
+        drafts.append(Draft(tokens, [0.5] * len(tokens), 1, "prompt"))
+    return DraftBatch.from_drafts(drafts)
+
+
+def _expected_lists(batch: DraftBatch, lengths: list[int], size: int, positions: list[int]) -> list[list[int]]:
+    expected: list[list[int]] = [[] for _ in range(size)]
+    for i, position in enumerate(positions):
+        expected[position] = batch.draft(i).tokens[:max(0, lengths[i])]
+    return expected
+
+
+def test_recycled_lists_refill_only_the_lists_nobody_else_holds():
+    """vLLM's lists made out of those handed out before (``recycled_lists``): a list that only the
+    recycler holds is refilled with the new draft, whatever vLLM did to it (trimmed, grown); a list
+    anyone else still holds is never touched; one holding anything but ints is let go of, not
+    refilled; lists vLLM never lets go of are let go of after a few calls; every list is untracked
+    by the cycle collector and holds the right tokens."""
+    recycled = recycled_lists()
+    rng = random.Random(11)
+    size = 60
+    kept: list[tuple[list[int], list[int]]] = []  # lists "vLLM" still holds, with their contents then
+    in_vllm: list[tuple[list[int], list[int]]] = []  # the last call's lists: vLLM holds them until the next's
+    for call in range(40):
+        batch = _random_batch(rng, 40, 12)
+        lengths = [rng.randrange(-1, 14) for _ in range(40)]
+        positions = rng.sample(range(size), 40)
+        _, lists, _ = batch.for_target(lengths, None, size, positions, recycled)
+        assert lists == _expected_lists(batch, lengths, size, positions)
+        assert len({id(x) for x in lists}) == size and not any(gc.is_tracked(x) for x in lists)
+        for held, contents in kept + in_vllm:
+            assert held == contents  # what someone else holds is never refilled
+        for x in lists:  # what vLLM does with them: trims some, keeps some a while
+            if x and rng.random() < 0.3:
+                del x[rng.randrange(len(x)):]
+            if call == 20 and rng.random() < 0.1:
+                x.append("not a token")  # never refilled: freeing it may run code
+            if rng.random() < 0.2:
+                kept.append((x, list(x)))
+        in_vllm = [(x, list(x)) for x in lists]
+        del lists
+    assert recycled.refilled > 30 * size  # most lists were refilled: the recycler is in use
+    assert recycled.held <= 4 * size  # lists held elsewhere are let go of after a few calls
+    recycled.release()
+    assert recycled.held == 0
 
 
 def test_truncated_keeps_each_rows_first_tokens_up_to_its_first_token_outside_the_vocabulary(native_path):
