@@ -32,15 +32,21 @@ class StepRows:
     ``drafting`` rows have room (each NumPy call after a forward costs microseconds: counted once)."""
 
     index: np.ndarray    # int64
-    req_ids: list[str]
+    batch: tuple[str, ...]  # the engine's request ids, by batch row
     requests: Any        # the source's states: the core's handles (int64 array), or a list
     tokens: np.ndarray   # int32
     offsets: np.ndarray  # int64, rows + 1
     ks: np.ndarray       # int32
     drafting: int        # rows with ks > 0
 
+    @property
+    def req_ids(self) -> list[str]:
+        """Each row's request id, made when asked: only the drafter pool's client reads them (a
+        list over a thousand rows is tens of microseconds after a forward)."""
+        return [self.batch[i] for i in self.index.tolist()]
+
     def __len__(self) -> int:
-        return len(self.req_ids)
+        return len(self.index)
 
     def sampled(self, i: int) -> list[int]:
         return self.tokens[self.offsets[i]:self.offsets[i + 1]].tolist()

@@ -379,7 +379,7 @@ class NgramRLProposer:
         self.stats.cut_tokens += len(made.tokens) - kept
         self.stats.invalid_tokens += kept - verified
         self._sent = (ranks, sent.offsets)
-        self.stats.drafts += sum(map(bool, drafts))
+        self.stats.drafts += len(drafts) - drafts.count([])
         self.stats.drafted_tokens += verified
         self._verified_tokens = verified
         # Requests that left enter the history once this step's drafts are made: the work (their
@@ -434,12 +434,10 @@ class NgramRLProposer:
         step = committed_rows(sampled_token_ids, arrival, num_tokens_no_spec, self.max_model_len, self.k,
                               *self._sent)
         if step.whole:
-            req_ids, requests = list(batch), states
-        else:
-            req_ids = [batch[i] for i in step.index.tolist()]
-            # The core's handles are the ranks; the pool's requests are objects.
+            requests = states
+        else:  # the core's handles are the ranks; the pool's requests are objects
             requests = step.ranks if self.core is not None else [states[i] for i in step.index.tolist()]
-        rows = StepRows(step.index, req_ids, requests, step.tokens, step.offsets, step.ks, step.with_room)
+        rows = StepRows(step.index, batch, requests, step.tokens, step.offsets, step.ks, step.with_room)
         return rows, step.ranks, step.accepted
 
     def _states(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray]:
