@@ -310,17 +310,16 @@ private:
                 Py_DECREF(list);
                 return false;
             }
+        for (Py_ssize_t i = 0; i < size; ++i) Py_DECREF(l->ob_item[i]);
+        Py_SET_SIZE(list, 0);
         if (n > l->allocated) {
             PyObject** items = static_cast<PyObject**>(PyMem_Realloc(l->ob_item, static_cast<size_t>(n) * sizeof(PyObject*)));
             if (items == nullptr) {
                 Py_DECREF(list);
                 return false;
             }
-            for (Py_ssize_t i = 0; i < size; ++i) Py_DECREF(items[i]);
             l->ob_item = items;
             l->allocated = n;
-        } else {
-            for (Py_ssize_t i = 0; i < size; ++i) Py_DECREF(l->ob_item[i]);
         }
         for (Py_ssize_t i = 0; i < n; ++i) l->ob_item[i] = nullptr;
         Py_SET_SIZE(list, n);
@@ -374,9 +373,7 @@ inline py::list lists_of(int64_t size, const I64& positions, const int64_t* rows
         for (int64_t t = begin; t < end; ++t) {
             PyObject* value = PyLong_FromLong(tok[t]);
             if (value == nullptr) {
-                for (int64_t u = begin; u < t; ++u) Py_CLEAR(PyList_GET_ITEM(list, u - begin));
-                Py_SET_SIZE(list, 0);
-                Py_DECREF(list);
+                Py_DECREF(list);  // (its items not set yet are NULL, which freeing a list skips)
                 throw py::error_already_set();
             }
             PyList_SET_ITEM(list, t - begin, value);
