@@ -3,7 +3,8 @@ k = 8, the H100 Qwen3-8B roofline forward, a 32 MB pass per step by default) wit
 call, the native core's calls and the proposer's own array and request bookkeeping timed from
 Python, and the core's own step split into its phases (`core.timings()`: waiting for the
 background, the inserts of pending tokens, the commits with the prefetch's hits, the lookups),
-averaged over the steps with B requests in flight
+averaged over the steps with B requests in flight; also Python's cycle collections inside the
+proposer's call, and the steps whose work the proposer kept in its call (``OffloadChoice``'s tries)
 (docs/native.md, "Where a step's time goes").
 
     python scripts/step_phase_split.py ngramrl/traces/gsm-smollm2-t0.6.jsonl.gz 256 --threads 2
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import sys
 import time
 
@@ -92,15 +94,38 @@ def main() -> None:
     for name in REQUESTS:
         setattr(proposer, name, timed(name, getattr(proposer, name)))
     propose = proposer.propose
+    collector = {"ns": 0, "runs": 0, "started": 0}  # Python's cycle collections, while in the proposer's call
+    in_call = [False]
+
+    def on_collection(phase: str, info: dict) -> None:
+        if not in_call[0]:
+            return
+        now = time.perf_counter_ns()
+        if phase == "start":
+            collector["started"] = now
+        else:
+            collector["ns"] += now - collector["started"]
+            collector["runs"] += 1
+
+    gc.callbacks.append(on_collection)
+    # Steps whose work the proposer kept in its call (OffloadChoice's tries) and the steps after them.
+    kept_in_call: list[tuple[int, int, bool]] = []  # (critical path ns, lookups, kept in the call)
 
     def timed_propose(sampled, *a, **k):
         step_totals.clear()
+        collected, runs, inline = collector["ns"], collector["runs"], proposer.stats.inline_steps
+        in_call[0] = True
         begin = time.perf_counter_ns()
         out = propose(sampled, *a, **k)
+        elapsed = time.perf_counter_ns() - begin
+        in_call[0] = False
         if len(sampled) == args.batch:
-            full["propose"].append(time.perf_counter_ns() - begin)
+            full["propose"].append(elapsed)
             for key in (*CALLS, *GLUE, *REQUESTS, *PHASES):
                 full[key].append(step_totals[key])
+            full["collector_ns"].append(collector["ns"] - collected)
+            full["collections"].append(collector["runs"] - runs)
+            kept_in_call.append((elapsed, step_totals["step_lookups"], proposer.stats.inline_steps > inline))
         return out
 
     proposer.propose = timed_propose
@@ -122,6 +147,14 @@ def main() -> None:
     print(f"      the batch's ranks (_states less _admit) {(mean['_states'] - mean['_admit']) / 1e3:.1f} us, "
           f"admissions (_admit, core.start_many in it) {mean['_admit'] / 1e3:.1f} us, "
           f"the requests that left (_retire) {mean['_retire'] / 1e3:.1f} us")
+    print(f"    Python's cycle collector inside the call {mean['collector_ns'] / 1e3:.1f} us "
+          f"({mean['collections']:.2f} collections per step)")
+    tried = [i for i, (_, _, inline) in enumerate(kept_in_call) if inline]
+    after = [i + 1 for i in tried if i + 1 < len(kept_in_call)]
+    if tried:
+        print(f"    steps that kept their work in the call (OffloadChoice's tries) {tried}: "
+              f"{', '.join(f'{kept_in_call[i][0] / 1e6:.1f}' for i in tried)} ms; the steps after them "
+              f"{', '.join(f'{kept_in_call[i][0] / 1e6:.1f} ms ({kept_in_call[i][1]} lookups)' for i in after)}")
     print("  the native step's phases:")
     for phase in PHASES[:-1]:
         print(f"    {phase[5:-3]:<18} {mean[phase] / 1e3:8.0f} us")
