@@ -312,6 +312,11 @@ public:
         }
     }
 
+    // A cache hint for the slot a find of ``key`` reads first.
+    void hint(const CacheKey& key) const {
+        if (!slots_.empty()) __builtin_prefetch(&slots_[CacheKeyHash{}(key) & (slots_.size() - 1)]);
+    }
+
     // The value stored for ``key``, or -1.
     int32_t find(const CacheKey& key) const {
         if (slots_.empty()) return -1;
@@ -629,8 +634,12 @@ public:
             constexpr size_t kChunk = 64;
             workers_.run((rows + kChunk - 1) / kChunk, [&](size_t c) {
                 thread_local Tokens mine;
-                for (size_t i = c * kChunk; i < std::min(rows, (c + 1) * kChunk); ++i)
+                const size_t end = std::min(rows, (c + 1) * kChunk);
+                for (size_t i = c * kChunk; i < end; ++i) {
+                    if (i + 2 < end) hint_request(*reqs[i + 2]);
+                    if (i + 1 < end) hint_commit(*reqs[i + 1], i + 1, tokens, offsets);
                     if (!done_[i]) commit_row(*reqs[i], i, tokens, offsets, ks[i], mine);
+                }
             });
         }
         if (follow_) observe_followed(order);
@@ -1197,6 +1206,28 @@ private:
     // is read or changed to commit it).
     bool current(const Request& r) const {
         return !r.known || (holds_current_index(r) && r.pending.empty());
+    }
+
+    // After the forward every request is a few cache misses, each found through the one before (the
+    // request, its buffers, its prefetched outcome): the commits hint the request two rows ahead
+    // and what it points to one row ahead, so different rows' misses overlap.
+    static void hint_request(const Request& r) {
+        const char* at = reinterpret_cast<const char*>(&r);
+        for (size_t line = 0; line < sizeof(Request); line += 64) __builtin_prefetch(at + line);
+    }
+
+    void hint_commit(const Request& r, size_t i, const Tokens& tokens, const std::vector<int64_t>& offsets) const {
+        if (cache_valid_ && offsets[i + 1] > offsets[i])
+            cache_.hint(CacheKey{r.handle, static_cast<int32_t>(offsets[i + 1] - offsets[i]) - 1, tokens[offsets[i + 1] - 1]});
+        if (!r.output.empty()) __builtin_prefetch(r.output.data() + r.output.size() - 1, 1);
+        __builtin_prefetch(r.pending.data(), 1);
+        __builtin_prefetch(r.ls.behind.data(), 1);
+        __builtin_prefetch(r.ls.global_behind.data(), 1);
+        __builtin_prefetch(r.follow_tokens.data());
+        __builtin_prefetch(r.follow_probs.data());
+        __builtin_prefetch(r.walked.draft.data());
+        __builtin_prefetch(r.entry);
+        __builtin_prefetch(r.index);
     }
 
     // Row i's part of a step: commit (or defer) its tokens, take its prefetched draft if there is

@@ -23,6 +23,19 @@ using I32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 using F64 = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
+// After a forward every list, its item array and its ints are cache misses, each found through the
+// one before: a pass over many lists hints the lists kListsAhead ahead, the item arrays of the
+// lists 2 * kItemsAhead ahead and the ints of those kItemsAhead ahead, so the misses of several
+// lists overlap instead of following each other.
+constexpr int64_t kListsAhead = 16, kItemsAhead = 4;
+
+inline void hint_items(PyObject* list) { __builtin_prefetch(reinterpret_cast<PyListObject*>(list)->ob_item); }
+
+inline void hint_ints(PyObject* list) {
+    PyObject* const* items = reinterpret_cast<PyListObject*>(list)->ob_item;
+    for (Py_ssize_t t = 0, size = Py_SIZE(list); t < size; ++t) __builtin_prefetch(items[t]);
+}
+
 // Row i's token list, checked to be a list (a TypeError sends the caller to the general path).
 inline PyObject* row_list(const py::list& lists, int64_t i, const char* where) {
     PyObject* row = PyList_GET_ITEM(lists.ptr(), i);
@@ -34,6 +47,8 @@ inline PyObject* row_list(const py::list& lists, int64_t i, const char* where) {
 inline void copy_tokens(const py::list& lists, const int64_t* at, int64_t n, const int64_t* off, int32_t* out,
                         const char* where) {
     for (int64_t i = 0; i < n; ++i) {
+        if (i + 2 * kItemsAhead < n) hint_items(PyList_GET_ITEM(lists.ptr(), at[i + 2 * kItemsAhead]));
+        if (i + kItemsAhead < n) hint_ints(PyList_GET_ITEM(lists.ptr(), at[i + kItemsAhead]));
         PyObject* row = PyList_GET_ITEM(lists.ptr(), at[i]);
         for (int64_t t = 0; t < off[i + 1] - off[i]; ++t) {
             const long value = PyLong_AsLong(PyList_GET_ITEM(row, t));
@@ -122,8 +137,10 @@ inline py::tuple committed_rows(const py::list& sampled, const I64& arrival, con
             throw py::value_error("committed_rows: the sent ranks must rise (entry " + std::to_string(i) + ")");
     std::vector<int64_t> chosen;
     chosen.reserve(n);
-    for (int64_t i = 0; i < n; ++i)
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + kListsAhead < n) __builtin_prefetch(PyList_GET_ITEM(sampled.ptr(), i + kListsAhead));
         if (rank[i] >= 0 && PyList_GET_SIZE(row_list(sampled, i, "committed_rows")) > 0) chosen.push_back(i);
+    }
     const bool in_order = std::is_sorted(chosen.begin(), chosen.end(),
                                          [&](int64_t a, int64_t b) { return rank[a] < rank[b]; });
     if (!in_order)
@@ -237,7 +254,9 @@ public:
     void collect() {
         ++calls_;
         size_t kept = 0;
-        for (const Held& h : held_) {
+        for (size_t i = 0; i < held_.size(); ++i) {
+            if (i + kListsAhead < held_.size()) __builtin_prefetch(held_[i + kListsAhead].list);
+            const Held h = held_[i];
             if (Py_REFCNT(h.list) == 1)
                 spare_.push_back(h.list);
             else if (calls_ - h.call > kMaxAge)
@@ -254,6 +273,9 @@ public:
     PyObject* take(Py_ssize_t n) {
 #ifndef Py_GIL_DISABLED
         while (!spare_.empty()) {
+            const size_t last = spare_.size() - 1;  // the spares go from the back: hint the next ones
+            if (last >= static_cast<size_t>(2 * kItemsAhead)) hint_items(spare_[last - 2 * kItemsAhead]);
+            if (last >= static_cast<size_t>(kItemsAhead)) hint_ints(spare_[last - kItemsAhead]);
             PyObject* list = spare_.back();
             spare_.pop_back();
             if (refill(list, n)) {
