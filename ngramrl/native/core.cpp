@@ -87,6 +87,17 @@ public:
         wake_.notify_all();
     }
 
+    // The workers are about to be given a run: the ones asleep wake and spin for it (a worker
+    // woken by the run itself arrives after the calling thread has taken most of its tasks).
+    void rouse() {
+        if (threads_ == 1) return;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            rousals_ += 1;
+        }
+        wake_.notify_all();
+    }
+
     // Wait for the queued jobs to finish.
     void wait() {
         std::unique_lock<std::mutex> lock(mutex_);
@@ -143,6 +154,7 @@ private:
     std::deque<std::function<void()>> queue_;
     std::atomic<size_t> queued_{0};              // queue_.size(), for a spinning worker (changed under mutex_)
     bool busy_ = false, stop_ = false;           // a job is running; the workers end
+    uint64_t rousals_ = 0;                       // rouse() calls (changed under mutex_)
     const std::function<void(size_t)>* job_ = nullptr;  // the current run's; null once run() returns
     size_t total_ = 0;
     std::atomic<size_t> next_{0}, finished_{0};  // the run's tasks taken, and done
@@ -191,7 +203,10 @@ private:
                 lock.lock();
                 continue;
             } else {
-                wake_.wait(lock, [&] { return stop_ || generation_.load() != seen || (jobs && !queue_.empty()); });
+                const uint64_t roused = rousals_;
+                wake_.wait(lock, [&] {
+                    return stop_ || generation_.load() != seen || (jobs && !queue_.empty()) || rousals_ != roused;
+                });
             }
             awake_until = Clock::now() + kLinger;
         }
@@ -830,6 +845,7 @@ public:
             span_report_ = true;
         }
         span_open_ = false;
+        if (cancel) workers_.rouse();  // the forward has ended: the step's run comes next
     }
 
     // stop, then the outcomes the last prefetch looked up (as arrays: a cost the engine's step
