@@ -242,21 +242,27 @@ class PrefetchSpan:
     window_s: float
 
 
-GROW_SHARE = 1 / 3    # a prefetch that took at most this share of its window doubles the budget
-SHRINK_SHARE = 1 / 3  # one cancelled before this share of its lookups halves it
+GROW_SHARE = 3 / 4    # a grown budget's work is aimed at this share of the window the last one had
+GROW_STEP = 5 / 4     # the least growth worth a change (and at most it doubles)
+SHRINK_SHARE = 1 / 3  # a prefetch cancelled before this share of its lookups halves the budget
 
 
 def next_budget(budget: int, config: PrefetchConfig, span: PrefetchSpan) -> int:
     """The per-request budget for the next prefetch, between ``config.budget`` and
-    ``config.max_budget``: twice ``budget`` where the last prefetch finished everything it chose
-    within a third of the time the forward left it, half where the stop cut it before a third of
-    its lookups (or in its planning), else the same. Lookups run likeliest first, so a budget that
-    the forward cuts short still gets the likeliest ones; what a too large budget wastes is the
-    planning of outcomes never looked up. Doubling from a third of the window stays within it, and
-    halving after less than a third done would not grow back (hysteresis, not oscillation)."""
+    ``config.max_budget``. Where the last prefetch finished everything it chose, the budget grows
+    by the room its window left, so that the same work per outcome would fill three quarters of
+    that window (at most twice the budget, and only where that is at least a quarter more); half
+    where the stop cut it before a third of its lookups (or in its planning); else the same.
+    Lookups run likeliest first, so a budget that the forward cuts short still gets the likeliest
+    ones; what a too large budget wastes is the planning of outcomes never looked up. A grown
+    budget aims inside the window it grew from, and one halved after less than a third done does
+    not grow back until its prefetch finishes (hysteresis, not oscillation)."""
     ceiling = max(config.budget, config.max_budget)
-    if span.chosen > 0 and span.done == span.chosen and span.work_s <= GROW_SHARE * span.window_s:
-        return min(ceiling, 2 * budget)
+    if span.chosen > 0 and span.done == span.chosen:
+        room = 2.0 if span.work_s <= 0 else GROW_SHARE * span.window_s / span.work_s
+        if room < GROW_STEP:
+            return budget
+        return min(ceiling, max(budget + 1, int(budget * min(2.0, room))))
     if span.chosen < 0 or span.done < SHRINK_SHARE * span.chosen:
         return max(config.budget, budget // 2)
     return budget
