@@ -4,7 +4,8 @@ call, the native core's calls and the proposer's own array and request bookkeepi
 Python, and the core's own step split into its phases (`core.timings()`: waiting for the
 background, the inserts of pending tokens, the commits with the prefetch's hits, the lookups),
 averaged over the steps with B requests in flight; also Python's cycle collections inside the
-proposer's call, and the steps whose work the proposer kept in its call (``OffloadChoice``'s tries)
+proposer's call, the steps whose work the proposer kept in its call (``OffloadChoice``'s tries),
+and the budgets of the prefetches that full steps stopped, with their work's share of the window
 (docs/native.md, "Where a step's time goes").
 
     python scripts/step_phase_split.py ngramrl/traces/gsm-smollm2-t0.6.jsonl.gz 256 --threads 2
@@ -115,6 +116,7 @@ def main() -> None:
         step_totals.clear()
         collected, runs, inline = collector["ns"], collector["runs"], proposer.stats.inline_steps
         in_call[0] = True
+        in_full_step[0] = len(sampled) == args.batch
         begin = time.perf_counter_ns()
         out = propose(sampled, *a, **k)
         elapsed = time.perf_counter_ns() - begin
@@ -128,6 +130,19 @@ def main() -> None:
             kept_in_call.append((elapsed, step_totals["step_lookups"], proposer.stats.inline_steps > inline))
         return out
 
+    # The prefetches a full step's stop ended (take_span): the budget they ran with and how much
+    # of their window their work took.
+    spans: list = []
+    take_span = core.take_span
+
+    def full_step_span():
+        span = take_span()
+        if span is not None and in_full_step[0] and span.chosen > 0:
+            spans.append(span)
+        return span
+
+    in_full_step = [False]
+    core.take_span = full_step_span
     proposer.propose = timed_propose
     try:
         summary = summarize_steps(engine.run_phase(workload.phases[0], args.batch), args.batch)
@@ -165,6 +180,14 @@ def main() -> None:
     if timings["plan_rows"]:  # the background's work, over the whole phase
         print(f"  the prefetch: planning {timings['plan_ns'] / timings['plan_rows'] / 1e3:.1f} us per row, "
               f"{timings['prefetch_lookup_ns'] / max(1, timings['prefetch_lookups']) / 1e3:.1f} us per lookup")
+    if spans:
+        budgets = collections.Counter(span.chosen // args.batch for span in spans)
+        finished = [span.work_s / span.window_s for span in spans if span.done == span.chosen]
+        shares = sorted(finished) or [0.0]
+        print(f"  the prefetches full steps stopped: {len(spans)}, by budget per request "
+              f"{dict(sorted(budgets.items()))}; {len(finished)} finished all they chose, their work taking "
+              f"{shares[len(shares) // 10]:.2f}-{shares[len(shares) * 9 // 10]:.2f} of the window "
+              f"(10th-90th percentile)")
     source = proposer.source.stats()
     if "prefetch_budget_mean" in source:
         print(f"  the budget per request: {source['prefetch_budget_mean']:.1f} on average, {source['prefetch_budget']} "
