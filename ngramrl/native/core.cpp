@@ -290,6 +290,12 @@ struct CacheKey {
     bool operator==(const CacheKey& o) const { return handle == o.handle && accepted == o.accepted && token == o.token; }
 };
 
+// The prefetched outcome a row's commit matches: j accepted draft tokens and then b commit j + 1
+// tokens, the last of them b.
+inline CacheKey committed_outcome(int64_t handle, const int32_t* committed, size_t count) {
+    return CacheKey{handle, static_cast<int32_t>(count) - 1, committed[count - 1]};
+}
+
 struct CacheKeyHash {
     size_t operator()(const CacheKey& k) const {
         uint64_t h = static_cast<uint64_t>(k.handle) * 0x9E3779B97F4A7C15ull;
@@ -1234,7 +1240,8 @@ private:
 
     void hint_commit(const Request& r, size_t i, const Tokens& tokens, const std::vector<int64_t>& offsets) const {
         if (cache_valid_ && offsets[i + 1] > offsets[i])
-            cache_.hint(CacheKey{r.handle, static_cast<int32_t>(offsets[i + 1] - offsets[i]) - 1, tokens[offsets[i + 1] - 1]});
+            cache_.hint(committed_outcome(r.handle, tokens.data() + offsets[i],
+                                          static_cast<size_t>(offsets[i + 1] - offsets[i])));
         if (!r.output.empty()) __builtin_prefetch(r.output.data() + r.output.size() - 1, 1);
         __builtin_prefetch(r.pending.data(), 1);
         __builtin_prefetch(r.ls.behind.data(), 1);
@@ -1259,7 +1266,7 @@ private:
         }
         commit(r, committed);
         if (cache_valid_ && !committed.empty() && r.known) {
-            const int32_t at = cache_.find(CacheKey{r.handle, static_cast<int32_t>(committed.size()) - 1, committed.back()});
+            const int32_t at = cache_.find(committed_outcome(r.handle, committed.data(), committed.size()));
             if (at >= 0 && outcomes_[at].stamp == stamp(r)) {
                 drafts_[i] = outcomes_[at].draft;
                 truncate(drafts_[i], k);
@@ -1538,8 +1545,8 @@ private:
             std::vector<std::vector<OutcomeOut>> chosen(rows.size());
             std::vector<size_t> looked(rows.size(), 0);  // per row: its outcomes looked up, likeliest first
             auto look = [&](size_t n, size_t begin, size_t end) {
-                OutcomeLookup items[kGroup];
-                DraftOut* outs[kGroup];
+                OutcomeLookup items[kGroup]{};
+                DraftOut* outs[kGroup]{};
                 for (size_t g = begin; g < end; g += kGroup) {
                     if (cancel_.load(std::memory_order_relaxed)) return;
                     const size_t size = std::min(kGroup, end - g);
@@ -1636,8 +1643,8 @@ private:
             workers_.run((jobs.size() + kGroup - 1) / kGroup, [&](size_t g) {
                 if (cancel_.load(std::memory_order_relaxed)) return;
                 const size_t first = g * kGroup, size = std::min(kGroup, jobs.size() - first);
-                OutcomeLookup items[kGroup];
-                DraftOut* outs[kGroup];
+                OutcomeLookup items[kGroup]{};
+                DraftOut* outs[kGroup]{};
                 for (size_t i = 0; i < size; ++i) {
                     const Job& job = jobs[first + i];
                     items[i] = OutcomeLookup{reqs[rows[job.n]], offsets[rows[job.n]], job.outcome};
