@@ -1,6 +1,6 @@
-"""Where the proposer's time goes at B requests in flight: one bench-steps replay (`--draft-always`,
-k = 8, the H100 Qwen3-8B roofline forward, a 32 MB pass per step by default) with the proposer's
-call, the native core's calls and the proposer's own array and request bookkeeping timed from
+"""Where the proposer's time goes at B requests in flight: one bench-steps replay (`--draft-always`
+unless --cost-model, k = 8, the H100 Qwen3-8B roofline forward, a 32 MB pass per step by default)
+with the proposer's call, the native core's calls and the proposer's own array and request bookkeeping timed from
 Python, and the core's own step split into its phases (`core.timings()`: waiting for the
 background, the inserts of pending tokens, the commits with the prefetch's hits, the lookups),
 averaged over the steps with B requests in flight; also Python's cycle collections inside the
@@ -51,6 +51,9 @@ def main() -> None:
                         help="size of the cache-polluting pass standing in for the forward (MB; 0: none)")
     parser.add_argument("--per-request", action="store_true",
                         help="each request's budget its own (share_budget off), not shared across the batch")
+    parser.add_argument("--cost-model", action="store_true",
+                        help="the step-cost model on (bench-steps without --draft-always): it may keep drafting off "
+                             "but for probes; the steps with lookups and those without are also shown apart")
     parser.add_argument("--epochs-kept", type=int, default=HistoryConfig().epochs_kept,
                         help="HistoryConfig.epochs_kept: 3 with the shipped traces' epochs 0-2 as history moves every "
                              "prompt's window on during the replay (bench-steps --windows-move); fewer also makes the "
@@ -62,7 +65,7 @@ def main() -> None:
     last = max(r.epoch for r in trace.rollouts)
     workload = prepare_workload(trace, last, copies_for(trace, last, 2 * args.batch))
     history = HistoryConfig(epochs_kept=args.epochs_kept)
-    config = NgramRLConfig(history=history, engine=EngineConfig(adaptive_length=False),
+    config = NgramRLConfig(history=history, engine=EngineConfig(adaptive_length=args.cost_model),
                            prefetch=PrefetchConfig(budget=args.budget, max_budget=args.max_budget,
                                                    share_budget=not args.per_request))
     engine = build_engine(args.method, workload, 8, default_profile(8), args.threads, int(args.flush_mb * (1 << 20)),
@@ -170,6 +173,16 @@ def main() -> None:
         print(f"    steps that kept their work in the call (OffloadChoice's tries) {tried}: "
               f"{', '.join(f'{kept_in_call[i][0] / 1e6:.1f}' for i in tried)} ms; the steps after them "
               f"{', '.join(f'{kept_in_call[i][0] / 1e6:.1f} ms ({kept_in_call[i][1]} lookups)' for i in after)}")
+    if args.cost_model:
+        for label, looked in (("with lookups", True), ("without", False)):
+            kinds = [i for i in range(steps) if (full["step_lookups"][i] > 0) == looked]
+            if kinds:
+                calls = sorted(full["propose"][i] for i in kinds)
+                print(f"    the steps {label}: {len(kinds)}, proposer call median "
+                      f"{calls[len(calls) // 2] / 1e3:.0f} us, mean {sum(calls) / len(calls) / 1e3:.0f} us, "
+                      f"core.step mean "
+                      f"{sum(full['step'][i] for i in kinds) / len(kinds) / 1e3:.0f} us, lookups "
+                      f"{sum(full['step_lookups'][i] for i in kinds) / len(kinds):.0f} per step")
     print("  the native step's phases:")
     for phase in PHASES[:-1]:
         print(f"    {phase[5:-3]:<18} {mean[phase] / 1e3:8.0f} us")

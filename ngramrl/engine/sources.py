@@ -158,20 +158,25 @@ class CoreSource:
         background thread on the forward's cores would slow it, and waking one costs more than a
         few rows' work). A step without lookups leaves them for the next one that looks up (a
         worker woken for the inserts alone measured 1.3% slower than synchronous drafting at 32
-        requests in flight; docs/vllm.md)."""
+        requests in flight; docs/vllm.md), except the step just before it: there the backlog
+        enters the index during the forward, and every row's next draft is prefetched as after
+        an empty draft (the outcome is the next token alone), so that a lookup step after steps
+        without drafting (a probe of the step-cost model, or drafting coming back) does not
+        index and look up the whole batch in its own call."""
         if not (self.offloads and offload):
             self.core.stop()  # the finished requests' work, now: not on the forward's cores
             if len(rows) and looked_up:
                 self.core.absorb(rows.requests, now=True)
             return
-        if not len(rows) or not looked_up:
+        if not len(rows) or not (looked_up or prefetch_next):
             return
         handles = rows.requests
         if not prefetch_next:
             self.core.absorb(handles)
             return
-        # The rows that looked up; the others (k = 0) have empty drafts, so the tokens stay as they are.
-        if rows.drafting == len(rows):
+        # The rows that looked up; the others (k = 0) have empty drafts, so the tokens stay as they
+        # are. A step without lookups prefetches every row, each from its empty draft.
+        if rows.drafting == len(rows) or not looked_up:
             looked, offsets = handles, sent.offsets
         else:
             drafting = rows.ks > 0

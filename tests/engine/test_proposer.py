@@ -340,10 +340,12 @@ def test_a_request_that_finishes_leaves_the_others_prefetched_drafts_valid(monke
 
 def test_background_work_follows_only_steps_that_look_up(monkeypatch):
     """Drafting cannot pay at this batch size: only probe steps look up. Their committed tokens
-    enter the index after them (in the background with prefetch on), nothing is prefetched (the
-    step after a probe makes no lookup), and the tokens of the steps between wait for the next
-    probe. The drafts are those of synchronous drafting."""
-    made = {}
+    enter the index after them (in the background with prefetch on), nothing is prefetched after
+    them (the step after a probe makes no lookup), and the tokens of the steps between wait for
+    the step before the next probe, which with prefetch on hands them to the background with the
+    prefetch of every row's next draft (each from its empty draft): the probe finds drafts ready.
+    The drafts are those of synchronous drafting."""
+    made, hits = {}, {}
     for mode in ("off", "on"):
         proposer, runner, looked_up = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.05, 0.0), prefetch=mode)
         proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 102, 103] * 30, epoch=0)
@@ -359,10 +361,17 @@ def test_background_work_follows_only_steps_that_look_up(monkeypatch):
 
         for name in calls:
             setattr(proposer.core, name, spying(getattr(proposer.core, name), calls[name]))
-        made[mode] = [step(proposer, runner, [100 + (s + r) % 4 for r in range(4)]) for s in range(60)]
+        made[mode] = []
+        for s in range(60):
+            if s in (16, 48):
+                proposer.core.stop()  # the forward before a probe outlasts the prefetch
+            made[mode].append(step(proposer, runner, [100 + (s + r) % 4 for r in range(4)]))
         assert sorted(set(looked_up)) == [0, 16, 48]  # the probes
-        assert calls == {"absorb": [0, 16, 48], "prefetch": []}
+        before_probes = [15, 47] if mode == "on" else []
+        assert calls == {"absorb": [0, 16, 48], "prefetch": before_probes}
+        hits[mode] = proposer.stats.prefetch_hits
     assert made["on"] == made["off"]
+    assert hits == {"off": 0, "on": 8}  # both probes' rows: each one's next token was certain
 
 
 def test_tokens_of_steps_without_lookups_are_indexed_at_once_before_the_next_lookup(monkeypatch):
