@@ -296,15 +296,25 @@ class DrafterShard:
         if 0 <= accepted <= len(issued.tokens) and item.committed[:accepted] == issued.tokens[:accepted]:
             self.core.observe(issued.probs, [0, len(issued.probs)], [accepted])
 
-    def prefetch(self, request_ids: list[str], k: int) -> dict[str, list[tuple[int, int, list[int], list[float]]]]:
+    def prefetch(self, request_ids: list[str], k: int, verified: list[int] | None = None,
+                 ) -> dict[str, list[tuple[int, int, list[int], list[float]]]]:
         """While the engine verifies: the next drafts of each request's likeliest outcomes (the
-        core's outcome model and allocator; they are the drafts its next step makes for them)."""
+        core's outcome model and allocator; they are the drafts its next step makes for them).
+        ``verified``: how much of each request's last draft went to verification (None: all of
+        it); a request sent none of it (or given none) has one outcome to guess, its next token."""
         begin = time.perf_counter()
-        sent = [rid for rid in request_ids if rid in self.requests and self.issued.get(rid) is not None
-                and self.issued[rid].tokens]
+        if verified is not None and len(verified) != len(request_ids):
+            raise ValueError(f"prefetch: {len(verified)} verified lengths for {len(request_ids)} requests")
+        sent: list[str] = []
+        drafts: list[Draft] = []
+        for n, rid in enumerate(request_ids):
+            issued = self.issued.get(rid)
+            if rid in self.requests and issued is not None:
+                sent.append(rid)
+                drafts.append(issued if verified is None else issued.truncated(verified[n]))
         out: dict[str, list[tuple[int, int, list[int], list[float]]]] = {}
         if sent:
-            batch = DraftBatch.from_drafts([self.issued[rid] for rid in sent])
+            batch = DraftBatch.from_drafts(drafts)
             self.core.prefetch([self.requests[rid] for rid in sent], batch.tokens, batch.offsets, batch.probs, k)
             found = self.core.collect()
             for n in range(len(found)):

@@ -289,18 +289,22 @@ class PoolSource:
 
     def end_step(self, rows: StepRows, sent: DraftBatch, looked_up: bool, prefetch_next: bool,
                  offload: bool = True) -> None:
-        by_shard: dict[int, list[str]] = {}
-        for request, length in zip(rows.requests, np.diff(sent.offsets).tolist(), strict=True):
+        # Prefetched, as by CoreSource: the rows that looked up, each from the part of its draft
+        # sent for verification (maybe none of it); after a step without lookups, every row.
+        by_shard: dict[int, tuple[list[str], list[int]]] = {}
+        for request, length, k in zip(rows.requests, np.diff(sent.offsets).tolist(), rows.ks.tolist(), strict=True):
             request: PoolRequest
             request.verified = length
-            if length and self.handles[request.shard] is not None:
-                by_shard.setdefault(request.shard, []).append(request.req_id)
+            if (k > 0 or not looked_up) and self.handles[request.shard] is not None:
+                req_ids, lengths = by_shard.setdefault(request.shard, ([], []))
+                req_ids.append(request.req_id)
+                lengths.append(length)
         if not (self.prefetch and prefetch_next):
             return
-        for shard, req_ids in by_shard.items():
+        for shard, (req_ids, lengths) in by_shard.items():
             handle = self.handles[shard]
             if handle is not None:
-                self.prefetch_refs.append((shard, handle.prefetch.remote(req_ids, self.k)))
+                self.prefetch_refs.append((shard, handle.prefetch.remote(req_ids, self.k, lengths)))
 
     def stats(self) -> dict[str, Any]:
         import statistics

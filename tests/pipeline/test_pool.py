@@ -6,6 +6,7 @@ import time
 import pytest
 
 from ngramrl.config import DrafterConfig, NgramRLConfig, PrefetchConfig
+from ngramrl.core.batch import make_core
 from ngramrl.core.trace import Rollout
 from ngramrl.pipeline.pool import DrafterShard, SnapshotError, StepItem, shard_of
 
@@ -85,6 +86,31 @@ def test_prefetched_next_draft_equals_the_ordinary_one():
     hit = shard.step([StepItem("r", "p", outcome, 4, verified=len(issued), hit=True)], [])[0]
     ordinary = twin.step([StepItem("r", "p", outcome, 4, verified=len(issued))], [])[0]
     assert hit.tokens == tokens[:4] == ordinary.tokens
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_prefetch_guesses_from_the_part_of_the_draft_sent_and_from_no_draft(monkeypatch, native):
+    """A request whose draft went to verification in part has outcomes up to that part only; one
+    sent none of it (drafting off this step) has one thing to guess, its next token, and the
+    draft prefetched for it is the ordinary one."""
+    import ngramrl.pipeline.pool as pool
+
+    monkeypatch.setattr(pool, "make_core", lambda *a, **k: make_core(*a, **k, native=native))
+    shard, twin = shard_with_history(budget=8), shard_with_history(budget=8)
+    for s in (shard, twin):
+        s.step([StepItem("r", "p", [5], 4, prompt=PROMPT, before=[])], [])
+    assert len(shard.issued["r"].tokens) == 4
+    assert {j for j, *_ in shard.prefetch(["r"], 4, [2])["r"]} <= {0, 1, 2}
+    for s in (shard, twin):
+        s.step([StepItem("r", "p", [6, 30], 0, verified=2)], [])  # a step without a draft
+    candidates = shard.prefetch(["r"], 4, [0])["r"]
+    assert candidates and {j for j, *_ in candidates} == {0}
+    _, b, tokens, _ = candidates[0]
+    hit = shard.step([StepItem("r", "p", [b], 4, verified=0, hit=True)], [])[0]
+    ordinary = twin.step([StepItem("r", "p", [b], 4, verified=0)], [])[0]
+    assert hit.tokens == tokens[:4] == ordinary.tokens
+    with pytest.raises(ValueError, match="1 verified lengths for 2 requests"):
+        shard.prefetch(["r", "r"], 4, [0])
 
 
 def test_finished_requests_leave_no_trace_once_rollouts_arrive():
