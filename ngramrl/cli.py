@@ -133,11 +133,14 @@ def _train(args: argparse.Namespace) -> int:
 
 def _bench_steps(args: argparse.Namespace) -> int:
     from ngramrl.bench.bench_steps import BenchStepsConfig, run_bench_steps
+    from ngramrl.bench.steps import PoolBench
 
     run_bench_steps(BenchStepsConfig(traces=args.traces, batches=args.batch, threads=args.threads,
                                      methods=args.method, k=args.k, profile=args.profile, flush_mb=args.flush_mb,
                                      draft_always=args.draft_always, budgets=args.budget, max_budgets=args.max_budget,
-                                     windows_move=args.windows_move, json_out=args.json))
+                                     windows_move=args.windows_move,
+                                     pool=PoolBench(shards=args.pool_shards, draft_timeout_ms=args.pool_timeout_ms),
+                                     json_out=args.json))
     return 0
 
 
@@ -241,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--threads", type=int, nargs="+", default=[1], metavar="T",
                        help="threads the drafting core may use per step (several: one run each)")
     steps.add_argument("--method", nargs="+", default=["ngramrl", "ngramrl-prefetch", "suffix"],
-                       help="ngramrl, ngramrl-prefetch, suffix (default: all three)")
+                       help="ngramrl, ngramrl-prefetch, suffix (default: all three), ngramrl-pool (the Ray "
+                            "drafter pool of `ngramrl train`: shard actors on a local Ray instance)")
     steps.add_argument("--k", type=int, default=8, help="most draft tokens per request per step")
     steps.add_argument("--profile", help="step profile giving the forward's length (default: the roofline of a "
                                          "Qwen3-8B shape on an H100)")
@@ -258,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--windows-move", action="store_true",
                        help="every prompt's history window moves on during the replay (its first finished rollout "
                             "evicts its oldest epoch's), as in an RL run past its first epochs")
+    steps.add_argument("--pool-shards", type=int, default=2, metavar="N",
+                       help="ngramrl-pool's drafter actors (pool.shards)")
+    steps.add_argument("--pool-timeout-ms", type=float, default=50.0, metavar="MS",
+                       help="how long ngramrl-pool's proposer waits for a shard's drafts (pool.draft_timeout_ms)")
     steps.add_argument("--json", help="write the results as JSON here")
     steps.set_defaults(func=_bench_steps)
 

@@ -134,6 +134,28 @@ def test_bench_steps_writes_its_contract_json(tmp_path, capsys):
     assert data["draft_always"] is False
 
 
+def test_bench_steps_runs_the_drafter_pool_on_real_shard_actors_and_stops_them(tmp_path):
+    """ngramrl-pool: PoolProposer drafting from DrafterShard actors on a local Ray instance, as
+    `ngramrl train` runs it; the instance it started is gone after the run."""
+    ray = pytest.importorskip("ray")
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    out = tmp_path / "steps.json"
+    assert main(["bench-steps", trace, "--batch", "3", "--method", "ngramrl", "ngramrl-pool", "--draft-always",
+                 "--pool-shards", "1", "--pool-timeout-ms", "10000", "--flush-mb", "0", "--json", str(out)]) == 0
+    assert not ray.is_initialized()
+    data = json.loads(out.read_text())
+    assert data["pool"] == {"shards": 1, "draft_timeout_ms": 10000.0}
+    runs = {run["method"]: run for run in data["runs"]}
+    pool = runs["ngramrl-pool"]
+    assert (pool["threads"], pool["budget"], pool["late_rows"]) == (1, PrefetchConfig().budget, 0)
+    assert pool["steps"] > 0 and pool["resumed_misses"] is None and 0.0 <= pool["prefetch_coverage"] <= 1.0
+    # one shard holds the history the engine's own core holds: on this trace the same drafts, step by
+    # step (within a phase the pool has a finished rollout only once the driver sends it)
+    assert pool["tokens_per_forward"] == runs["ngramrl"]["tokens_per_forward"] > 1.0
+    assert pool["steps"] == runs["ngramrl"]["steps"]
+    assert main(["bench-steps", trace, "--batch", "3", "--method", "ngramrl-pool", "--pool-shards", "0"]) == 2
+
+
 def test_bench_steps_runs_the_prefetching_method_once_per_budget(tmp_path, monkeypatch):
     from ngramrl.bench import bench_steps
 

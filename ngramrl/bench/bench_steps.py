@@ -17,13 +17,22 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from ngramrl.bench.report import print_now
-from ngramrl.bench.steps import build_engine, copies_for, method_available, prepare_workload, summarize_steps
+from ngramrl.bench.steps import (
+    POOL_METHOD,
+    PoolBench,
+    build_engine,
+    copies_for,
+    method_available,
+    prepare_workload,
+    summarize_steps,
+)
 from ngramrl.config import EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.profile import MODEL_SHAPES, StepProfile, check_output, load_profile, roofline_profile
 from ngramrl.core.trace import read_trace
 
 BENCH_STEPS_VERSION = 1
-STEP_METHODS = ("ngramrl", "ngramrl-prefetch", "suffix")
+STEP_METHODS = ("ngramrl", "ngramrl-prefetch", "suffix")  # the default
+THREADED = ("ngramrl", "ngramrl-prefetch")  # the methods whose drafting core runs on --threads
 
 
 @dataclass
@@ -39,6 +48,7 @@ class BenchStepsConfig:
     budgets: list[int] = field(default_factory=lambda: [PrefetchConfig().budget])  # ngramrl-prefetch: one run each
     max_budgets: list[int] = field(default_factory=lambda: [PrefetchConfig().max_budget])  # ... with each of these
     windows_move: bool = False    # every prompt's window moves on in the replayed epoch (an RL run's steady state)
+    pool: PoolBench = field(default_factory=PoolBench)  # ngramrl-pool's drafter pool
     json_out: str | None = None
 
     def __post_init__(self) -> None:
@@ -49,8 +59,8 @@ class BenchStepsConfig:
         if not self.threads or any(t < 1 for t in self.threads):
             raise ValueError(f"--threads values must be >= 1, got {self.threads}")
         for method in self.methods:
-            if method not in STEP_METHODS:
-                raise ValueError(f"unknown method {method!r}; choose from {', '.join(STEP_METHODS)}")
+            if method not in (*STEP_METHODS, POOL_METHOD):
+                raise ValueError(f"unknown method {method!r}; choose from {', '.join((*STEP_METHODS, POOL_METHOD))}")
         if self.k < 1:
             raise ValueError(f"--k must be >= 1, got {self.k}")
         if self.flush_mb < 0:
@@ -84,12 +94,20 @@ def resumed_misses(proposer: object) -> float | None:
 
 def step_runs(config: BenchStepsConfig) -> list[tuple[str, int, tuple[int, int] | None]]:
     """(method, threads, (prefetch budget, max budget)) of each run for one trace and batch size:
-    every thread count for ngramrl's methods (SuffixDecoding's core is single-threaded: one run),
-    every budget with every max budget for ngramrl-prefetch (None: a method without prefetch)."""
+    every thread count for the in-process ngramrl methods (SuffixDecoding's core is
+    single-threaded, the pool's shards are actors: one run), every budget with every max budget
+    for ngramrl-prefetch, every budget for the pool, whose shards keep theirs fixed (None: a
+    method without prefetch)."""
+    def budgets_of(method: str) -> list[tuple[int, int] | None]:
+        if method == "ngramrl-prefetch":
+            return [(b, m) for b in config.budgets for m in config.max_budgets]
+        if method == POOL_METHOD:
+            return [(b, b) for b in config.budgets]
+        return [None]
+
     return [(method, threads, budgets) for method in config.methods
-            for threads in (config.threads if method.startswith("ngramrl") else config.threads[:1])
-            for budgets in ([(b, m) for b in config.budgets for m in config.max_budgets]
-                            if method == "ngramrl-prefetch" else [None])]
+            for threads in (config.threads if method in THREADED else config.threads[:1])
+            for budgets in budgets_of(method)]
 
 
 def budget_mean(proposer: object) -> float | None:
@@ -118,6 +136,8 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                           "device": profile.device.get("name"), "path": config.profile},
               "k": config.k, "flush_mb": config.flush_mb, "draft_always": config.draft_always,
               "windows_move": config.windows_move}
+    if POOL_METHOD in config.methods:
+        result["pool"] = asdict(config.pool)
 
     def write(partial: bool) -> None:
         # after every run: a benchmark that is stopped leaves what it finished
@@ -142,20 +162,24 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                 prefetch = (PrefetchConfig(budget=budget, max_budget=max_budget) if budgets is not None
                             else PrefetchConfig())
                 engine = build_engine(method, workload, config.k, profile, threads, int(config.flush_mb * (1 << 20)),
-                                      config=NgramRLConfig(history=history, engine=engine_config, prefetch=prefetch))
+                                      config=NgramRLConfig(history=history, engine=engine_config, prefetch=prefetch),
+                                      pool=config.pool)
                 try:
                     records = engine.run_phase(workload.phases[0], batch)
                 finally:
                     engine.close()
                 summary = summarize_steps(records, batch)
                 run = {"trace": trace.path, "method": method, "batch": batch,
-                       "threads": threads if method.startswith("ngramrl") else 1, "budget": budget,
+                       "threads": threads if method in THREADED else 1, "budget": budget,
                        "max_budget": max_budget,
                        **{key: round(value, 3) if isinstance(value, float) else value
                           for key, value in asdict(summary).items()},
                        "prefetch_coverage": prefetch_coverage(engine.proposer),
                        "resumed_misses": resumed_misses(engine.proposer),
                        "budget_mean": budget_mean(engine.proposer)}
+                if method == POOL_METHOD:  # what reached the engine late: the shards' answers, their prefetches
+                    pool_stats = engine.proposer.source.stats()
+                    run.update(late_rows=pool_stats["pool_late_rows"], prefetch_late=pool_stats["pool_prefetch_late"])
                 runs.append(run)
                 write(partial=True)
                 log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} T={run['threads']:<3} "

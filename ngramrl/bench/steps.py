@@ -193,8 +193,9 @@ class SimulatedEngine:
 
     def __init__(self, proposer: Any, clock: VirtualClock, times: StepTimes, synchronous: bool,
                  flush_bytes: int = 32 << 20, seed_history: Callable[[Any, list[Rollout]], None] | None = None,
-                 wait_out: bool = True) -> None:
+                 wait_out: bool = True, on_close: Callable[[], None] | None = None) -> None:
         self.proposer = proposer
+        self.on_close = on_close  # what else the proposer needs let go of (the drafter pool's actors)
         self.wait_out = wait_out  # each forward's length passes in real time before the proposer's call
         self.clock = clock
         self.times = times
@@ -306,10 +307,14 @@ class SimulatedEngine:
         return records
 
     def close(self) -> None:
-        """Let the proposer's last drafts go (its core's background work, if any, stops)."""
+        """Let the proposer's last drafts go (its core's background work, if any, stops), and
+        whatever it drafted from."""
         core = getattr(self.proposer, "core", None)
         if core is not None:
             core.stop(cancel=True)
+        if self.on_close is not None:
+            self.on_close()
+            self.on_close = None
 
 
 BACKGROUND_TIMINGS = ("absorb_ns", "plan_ns", "prefetch_lookup_ns")  # a prefetching native core's background work
@@ -354,7 +359,25 @@ def summarize_steps(records: list[StepRecord], batch: int) -> StepSummary:
 
 
 ENGINE_METHODS = ("none", "pld", "suffix", "ngramrl", "ngramrl-prefetch")
+# ngramrl drafting from the Ray drafter pool, as `ngramrl train` runs it: real shard actors on a
+# local Ray instance (a few seconds to start), so only where asked for
+POOL_METHOD = "ngramrl-pool"
 SYNCHRONOUS = {"none": False}  # vLLM schedules asynchronously only without an n-gram-style drafter
+
+
+@dataclass
+class PoolBench:
+    """The drafter pool an ``ngramrl-pool`` engine drafts from: ``shards`` actors, the engine's
+    proposer waiting up to ``draft_timeout_ms`` for a shard's answer (PoolSection's meaning)."""
+
+    shards: int = 2
+    draft_timeout_ms: float = 50.0
+
+    def __post_init__(self) -> None:
+        if self.shards < 1:
+            raise ValueError(f"pool shards must be >= 1, got {self.shards}")
+        if self.draft_timeout_ms <= 0:
+            raise ValueError(f"pool draft timeout must be > 0 ms, got {self.draft_timeout_ms}")
 
 
 def method_available(method: str) -> str | None:
@@ -364,6 +387,11 @@ def method_available(method: str) -> str | None:
             import arctic_inference.suffix_decoding  # noqa: F401
         except ImportError:
             return "arctic-inference (SuffixDecoding) is not installed"
+    if method == POOL_METHOD:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            return "ray (the drafter pool's actors) is not installed"
     return None
 
 
@@ -378,16 +406,64 @@ def _seed_baseline(proposer: Any, rollouts: list[Rollout]) -> None:
     proposer.add_history(rollouts)
 
 
+def _pool_proposer(workload: Workload, k: int, config: Any, clock: VirtualClock, pool: PoolBench,
+                   ) -> tuple[Any, Callable[[Any, list[Rollout]], None], Callable[[], None]]:
+    """``PoolProposer`` drafting from a new drafter pool, how the history reaches the pool, and
+    how the pool (and the Ray instance, where started here) is let go of."""
+    import os
+    import shutil
+    import tempfile
+    import uuid
+
+    import ray
+
+    from ngramrl.engine.standin import standin_vllm_config
+    from ngramrl.pipeline.pool import DrafterPool
+    from ngramrl.pipeline.pool_proposer import POOL_ENV, PoolProposer
+
+    started = not ray.is_initialized()
+    namespace = f"ngramrl-bench-{uuid.uuid4().hex[:8]}"
+    if started:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local instance for this run alone
+        ray.init(num_cpus=os.cpu_count() or 1, namespace=namespace, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    snapshots = tempfile.mkdtemp(prefix="ngramrl-bench-pool-")
+    drafters = DrafterPool(pool.shards, config, tuple(workload.eos_token_ids), namespace=namespace,
+                           snapshot_dir=snapshots, name_prefix=namespace, draft_timeout_ms=pool.draft_timeout_ms,
+                           num_cpus=0)
+    settings = drafters.settings()
+    previous = os.environ.get(POOL_ENV)
+    os.environ[POOL_ENV] = settings.to_json()  # how PoolProposer finds its pool, as in a rollout worker
+    try:
+        proposer = PoolProposer(standin_vllm_config(k, workload.eos_token_ids, device_type="cuda"), config=config,
+                                clock=clock)
+    finally:
+        if previous is None:
+            os.environ.pop(POOL_ENV, None)
+        else:
+            os.environ[POOL_ENV] = previous
+
+    def close() -> None:
+        drafters.shutdown()
+        if started:
+            ray.shutdown()
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+    return proposer, lambda _, rollouts: drafters.add_rollouts(rollouts), close
+
+
 def build_engine(method: str, workload: Workload, k: int, times: StepTimes, threads: int = 1,
                  flush_bytes: int = 32 << 20, config: Any = None, cpu_scale: float = 1.0,
-                 wait_out: bool = True) -> SimulatedEngine:
+                 wait_out: bool = True, pool: PoolBench | None = None) -> SimulatedEngine:
     """A simulated engine drafting with ``method``, its history the workload's earlier epochs.
     ``config``: the ``NgramRLConfig`` for the ngramrl methods (its prefetch and draft-thread
     settings are set from the method and ``threads``). ``cpu_scale``: the proposers' CPU time
     counts this many times what it takes here (the engine host's CPU against this one).
     ``wait_out``: each forward's length passes in real time before the proposer is called (False:
     at once, or once a prefetching core's background is idle, so the prefetch's budget grows only
-    into the time the replay's own work between two calls gives it)."""
+    into the time the replay's own work between two calls gives it). ``pool``: the drafter pool
+    of ``ngramrl-pool`` (started here, on a local Ray instance unless one is running; the
+    engine's ``close`` stops it)."""
     from dataclasses import replace
 
     from ngramrl.bench.proposers import PromptLookupProposer, SuffixProposer
@@ -395,11 +471,22 @@ def build_engine(method: str, workload: Workload, k: int, times: StepTimes, thre
     from ngramrl.engine.standin import standin_vllm_config
     from ngramrl.engine.vllm_proposer import NgramRLProposer
 
-    if method not in ENGINE_METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(ENGINE_METHODS)}")
+    if method not in (*ENGINE_METHODS, POOL_METHOD):
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join((*ENGINE_METHODS, POOL_METHOD))}")
     clock = VirtualClock(cpu_scale)
     seed: Callable[[Any, list[Rollout]], None] = _seed_baseline
     proposer: Any = None
+    if method == POOL_METHOD:
+        base = config or NgramRLConfig()
+        engine = replace(base.engine, prefetch="auto", draft_threads=threads)
+        proposer, seed, close = _pool_proposer(workload, k, replace(base, engine=engine), clock, pool or PoolBench())
+        simulated = SimulatedEngine(proposer, clock, times, True, flush_bytes, seed, wait_out, close)
+        try:
+            simulated.add_history(workload.history)
+        except BaseException:
+            simulated.close()
+            raise
+        return simulated
     if method == "pld":
         proposer = PromptLookupProposer(k)
     elif method == "suffix":
