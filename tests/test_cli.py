@@ -149,6 +149,7 @@ def test_bench_steps_runs_the_drafter_pool_on_real_shard_actors_and_stops_them(t
     pool = runs["ngramrl-pool"]
     assert (pool["threads"], pool["budget"], pool["late_rows"]) == (1, PrefetchConfig().budget, 0)
     assert pool["steps"] > 0 and pool["resumed_misses"] is None and 0.0 <= pool["prefetch_coverage"] <= 1.0
+    assert pool["wait_us_median"] > 0 and pool["prefetch_late"] >= 0
     # one shard holds the history the engine's own core holds: on this trace the same drafts, step by
     # step (within a phase the pool has a finished rollout only once the driver sends it)
     assert pool["tokens_per_forward"] == runs["ngramrl"]["tokens_per_forward"] > 1.0

@@ -179,7 +179,8 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                        "budget_mean": budget_mean(engine.proposer)}
                 if method == POOL_METHOD:  # what reached the engine late: the shards' answers, their prefetches
                     pool_stats = engine.proposer.source.stats()
-                    run.update(late_rows=pool_stats["pool_late_rows"], prefetch_late=pool_stats["pool_prefetch_late"])
+                    run.update(late_rows=pool_stats["pool_late_rows"], prefetch_late=pool_stats["pool_prefetch_late"],
+                               wait_us_median=pool_stats["pool_wait_us_median"])
                 runs.append(run)
                 write(partial=True)
                 log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} T={run['threads']:<3} "

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from ngramrl.config import PrefetchConfig
-from ngramrl.core.batch import choose_lengths
+from ngramrl.core.batch import DraftingCore, make_core
 from ngramrl.core.drafter import EMPTY, Draft
-from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower
+from ngramrl.core.outcome import DraftFollower
 from ngramrl.core.rows import DraftBatch
 from ngramrl.engine.sources import StepRows
 from ngramrl.engine.vllm_proposer import NgramRLProposer
@@ -80,6 +80,16 @@ class PoolProposer(NgramRLProposer):
                           self.prefetching)
 
 
+class CoreObserver:
+    """A followed draft's outcome, learned by a drafting core's calibration."""
+
+    def __init__(self, core: DraftingCore) -> None:
+        self.core = core
+
+    def observe(self, probs: list[float], accepted: int) -> None:
+        self.core.observe(probs, [0, len(probs)], [accepted])
+
+
 class PoolSource:
     """The Ray drafter pool's client as the proposer's draft source. The shards hold the history
     (and snapshot it themselves: ``DrafterPool.snapshot``); the acceptance calibration is learned
@@ -100,8 +110,10 @@ class PoolSource:
         self.stop_tokens = frozenset(stop_tokens)
         self.k = k
         self.prefetch = prefetch
-        self.calibration = AcceptanceCalibration(calibration.prior_strength, calibration.calibration_decay)
-        self.follower = DraftFollower(self.calibration)
+        # The acceptance calibration and the choice of draft lengths are a drafting core's, as in
+        # the engine's own (native where built); this one holds no history.
+        self.acceptance = make_core(prefetch=calibration)
+        self.follower = DraftFollower(CoreObserver(self.acceptance))
         shards = len(settings.names)
         self.handles: list[Any | None] = [None] * shards
         self.actor_ids: list[str | None] = [None] * shards
@@ -129,17 +141,16 @@ class PoolSource:
 
     def lengths(self, drafts: DraftBatch, scale: float, fit: tuple[float, ...], min_gain: float, adaptive: bool,
                 probe_tokens: int) -> tuple[Any, float, bool, bool]:
-        return choose_lengths(self.calibration, drafts.probs, drafts.offsets, scale, fit, min_gain, adaptive,
-                              probe_tokens)
+        return self.acceptance.lengths(drafts.probs, drafts.offsets, scale, fit, min_gain, adaptive, probe_tokens)
 
     def followed(self) -> tuple[int, int]:
         return self.follower.resolved, self.follower.accepted
 
     def calibration_state(self) -> list[list[float]]:
-        return self.calibration.state()
+        return self.acceptance.calibration_state()
 
     def load_calibration_state(self, state: list[list[float]]) -> None:
-        self.calibration.load_state(state)
+        self.acceptance.load_calibration_state(state)
 
     # -- shards -----------------------------------------------------------------------------
 

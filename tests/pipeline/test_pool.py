@@ -295,6 +295,25 @@ def test_pool_rebuilds_a_killed_shard_and_restores_saved_state(local_ray, tmp_pa
         pool.shutdown()
 
 
+def test_the_engine_side_learns_acceptance_on_a_drafting_core_from_the_drafts_it_follows():
+    """The pool's proposer keeps its calibration in a drafting core (native where built): a draft
+    followed to its end is learned there, as the reference calibration learns it."""
+    from ngramrl.core.drafter import Draft
+    from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower
+    from ngramrl.pipeline.pool_proposer import CoreObserver
+
+    core, reference = make_core(), AcceptanceCalibration(PrefetchConfig().prior_strength,
+                                                          PrefetchConfig().calibration_decay)
+    followers = [DraftFollower(CoreObserver(core)), DraftFollower(reference)]
+    for follower in followers:
+        for n in range(40):
+            follower.offer("r", Draft([5, 6, 7], [0.9, 0.8, 0.7]))
+            follower.committed("r", [5, 6, 40 + n])  # two of three accepted, every time
+    assert sorted(map(tuple, core.calibration_state())) == sorted(map(tuple, reference.state()))
+    chances = core.chances([0.9, 0.8, 0.7], [0, 3])
+    assert chances[0] > 0.9 and chances[2] < 0.2  # learned: the first two pass, the third does not
+
+
 def test_engine_side_drafts_end_at_the_engines_end_of_sequence_tokens():
     """Shards started without the tokenizer's EOS (OpenRLHF's launch) may draft past it; the engine
     side cuts there, and at k."""
