@@ -51,6 +51,15 @@ class StepRows:
     def sampled(self, i: int) -> list[int]:
         return self.tokens[self.offsets[i]:self.offsets[i + 1]].tolist()
 
+    def prefetched(self, looked_up: bool) -> np.ndarray | None:
+        """The rows whose next draft is prefetched after this step (None: every row): those that
+        looked up, each from the part of its draft sent for verification (maybe none of it); the
+        others (k = 0) sent no draft and keep their tokens as they are. After a step without
+        lookups, every row, each from its empty draft (its next token is the one outcome)."""
+        if not looked_up or self.drafting == len(self):
+            return None
+        return self.ks > 0
+
 
 class DraftSource(Protocol):
     """What the proposer asks of where its drafts come from."""
@@ -174,14 +183,12 @@ class CoreSource:
         if not prefetch_next:
             self.core.absorb(handles)
             return
-        # The rows that looked up; the others (k = 0) have empty drafts, so the tokens stay as they
-        # are. A step without lookups prefetches every row, each from its empty draft.
-        if rows.drafting == len(rows) or not looked_up:
+        chosen = rows.prefetched(looked_up)
+        if chosen is None:
             looked, offsets = handles, sent.offsets
         else:
-            drafting = rows.ks > 0
-            looked = np.asarray(handles, dtype=np.int64)[drafting]
-            offsets = np.append(sent.offsets[:-1][drafting], sent.offsets[-1])
+            looked = np.asarray(handles, dtype=np.int64)[chosen]
+            offsets = np.append(sent.offsets[:-1][chosen], sent.offsets[-1])
         self.core.prefetch(looked, sent.tokens, offsets, sent.probs, self.k, absorb=handles)
         self._budget_sum += self.budget
         self._prefetches += 1

@@ -300,13 +300,13 @@ class PoolSource:
 
     def end_step(self, rows: StepRows, sent: DraftBatch, looked_up: bool, prefetch_next: bool,
                  offload: bool = True) -> None:
-        # Prefetched, as by CoreSource: the rows that looked up, each from the part of its draft
-        # sent for verification (maybe none of it); after a step without lookups, every row.
+        chosen = rows.prefetched(looked_up)
+        prefetched = [True] * len(rows) if chosen is None else chosen.tolist()
         by_shard: dict[int, tuple[list[str], list[int]]] = {}
-        for request, length, k in zip(rows.requests, np.diff(sent.offsets).tolist(), rows.ks.tolist(), strict=True):
+        for request, length, ahead in zip(rows.requests, np.diff(sent.offsets).tolist(), prefetched, strict=True):
             request: PoolRequest
             request.verified = length
-            if (k > 0 or not looked_up) and self.handles[request.shard] is not None:
+            if ahead and self.handles[request.shard] is not None:
                 req_ids, lengths = by_shard.setdefault(request.shard, ([], []))
                 req_ids.append(request.req_id)
                 lengths.append(length)
