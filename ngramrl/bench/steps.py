@@ -33,6 +33,7 @@ rollout phase's simulated time) run on this.
 from __future__ import annotations
 
 import gc
+import importlib
 import math
 import statistics
 import time
@@ -380,18 +381,20 @@ class PoolBench:
             raise ValueError(f"pool draft timeout must be > 0 ms, got {self.draft_timeout_ms}")
 
 
+# the module a method needs beyond the project's core, and what to say where it is missing
+METHOD_MODULES = {"suffix": ("arctic_inference.suffix_decoding", "arctic-inference (SuffixDecoding)"),
+                  POOL_METHOD: ("ray", "ray (the drafter pool's actors)")}
+
+
 def method_available(method: str) -> str | None:
     """Why ``method`` cannot run here (a missing package), or None."""
-    if method == "suffix":
-        try:
-            import arctic_inference.suffix_decoding  # noqa: F401
-        except ImportError:
-            return "arctic-inference (SuffixDecoding) is not installed"
-    if method == POOL_METHOD:
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            return "ray (the drafter pool's actors) is not installed"
+    if method not in METHOD_MODULES:
+        return None
+    module, package = METHOD_MODULES[method]
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return f"{package} is not installed"
     return None
 
 
