@@ -1,12 +1,12 @@
 """Where the proposer's time goes at B requests in flight: one bench-steps replay (`--draft-always`
 unless --cost-model, k = 8, the H100 Qwen3-8B roofline forward, a 32 MB pass per step by default)
-with the proposer's call, the native core's calls and the proposer's own array and request bookkeeping timed from
-Python, and the core's own step split into its phases (`core.timings()`: waiting for the
-background, the inserts of pending tokens, the commits with the prefetch's hits, the lookups),
-averaged over the steps with B requests in flight; also Python's cycle collections inside the
-proposer's call, the steps whose work the proposer kept in its call (``OffloadChoice``'s tries),
-and the budgets of the prefetches that full steps stopped, with their work's share of the window
-(docs/native.md, "Where a step's time goes").
+with the proposer's call, the native core's calls and the proposer's own array and request
+bookkeeping timed from Python, and the core's own step split into its phases (`core.timings()`:
+waiting for the background, the inserts of pending tokens, the commits with the prefetch's hits,
+the lookups), averaged over the steps with B requests in flight; also Python's cycle collections
+inside the proposer's call, the steps whose work the proposer kept in its call
+(``OffloadChoice``'s tries), and the budgets of the prefetches that full steps stopped, with
+their work's share of the window (docs/native.md, "Where a step's time goes").
 
     python scripts/step_phase_split.py ngramrl/traces/gsm-smollm2-t0.6.jsonl.gz 256 --threads 2
 
