@@ -139,7 +139,7 @@ def _bench_steps(args: argparse.Namespace) -> int:
                                      methods=args.method, k=args.k, profile=args.profile, flush_mb=args.flush_mb,
                                      draft_always=args.draft_always, budgets=args.budget, max_budgets=args.max_budget,
                                      windows_move=args.windows_move,
-                                     pool=PoolBench(shards=args.pool_shards, draft_timeout_ms=args.pool_timeout_ms),
+                                     pool=PoolBench(shards=args.pool_shards, sync_wait_ms=args.pool_sync_wait_ms),
                                      json_out=args.json))
     return 0
 
@@ -264,8 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "evicts its oldest epoch's), as in an RL run past its first epochs")
     steps.add_argument("--pool-shards", type=int, default=2, metavar="N",
                        help="ngramrl-pool's drafter actors (pool.shards)")
-    steps.add_argument("--pool-timeout-ms", type=float, default=50.0, metavar="MS",
-                       help="how long ngramrl-pool's proposer waits for a shard's drafts (pool.draft_timeout_ms)")
+    steps.add_argument("--pool-sync-wait-ms", type=float, default=20.0, metavar="MS",
+                       help="how long ngramrl-pool's step that starts prompts waits for their history from the pool "
+                            "(pool.sync_wait_ms)")
     steps.add_argument("--json", help="write the results as JSON here")
     steps.set_defaults(func=_bench_steps)
 

@@ -140,20 +140,21 @@ def test_bench_steps_runs_the_drafter_pool_on_real_shard_actors_and_stops_them(t
     ray = pytest.importorskip("ray")
     trace = small_trace(tmp_path / "toy.jsonl.gz")
     out = tmp_path / "steps.json"
-    assert main(["bench-steps", trace, "--batch", "3", "--method", "ngramrl", "ngramrl-pool", "--draft-always",
-                 "--pool-shards", "1", "--pool-timeout-ms", "10000", "--flush-mb", "0", "--json", str(out)]) == 0
+    assert main(["bench-steps", trace, "--batch", "3", "--method", "ngramrl-prefetch", "ngramrl-pool", "--draft-always",
+                 "--pool-shards", "1", "--pool-sync-wait-ms", "10000", "--flush-mb", "0", "--json", str(out)]) == 0
     assert not ray.is_initialized()
     data = json.loads(out.read_text())
-    assert data["pool"] == {"shards": 1, "draft_timeout_ms": 10000.0}
+    assert data["pool"] == {"shards": 1, "sync_wait_ms": 10000.0}
     runs = {run["method"]: run for run in data["runs"]}
     pool = runs["ngramrl-pool"]
-    assert (pool["threads"], pool["budget"], pool["late_rows"]) == (1, PrefetchConfig().budget, 0)
-    assert pool["steps"] > 0 and pool["resumed_misses"] is None and 0.0 <= pool["prefetch_coverage"] <= 1.0
-    assert pool["wait_us_median"] > 0 and pool["prefetch_late"] >= 0
+    assert (pool["threads"], pool["budget"], pool["late_syncs"], pool["unsynced_prompts"]) == (
+        1, PrefetchConfig().budget, 0, 0)
+    assert pool["steps"] > 0 and 0.0 <= pool["prefetch_coverage"] <= 1.0
+    assert pool["sync_calls"] > 0 and pool["sync_us_median"] > 0
     # one shard holds the history the engine's own core holds: on this trace the same drafts, step by
     # step (within a phase the pool has a finished rollout only once the driver sends it)
-    assert pool["tokens_per_forward"] == runs["ngramrl"]["tokens_per_forward"] > 1.0
-    assert pool["steps"] == runs["ngramrl"]["steps"]
+    assert pool["tokens_per_forward"] == runs["ngramrl-prefetch"]["tokens_per_forward"] > 1.0
+    assert pool["steps"] == runs["ngramrl-prefetch"]["steps"]
     assert main(["bench-steps", trace, "--batch", "3", "--method", "ngramrl-pool", "--pool-shards", "0"]) == 2
 
 

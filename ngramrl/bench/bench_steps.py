@@ -32,7 +32,7 @@ from ngramrl.core.trace import read_trace
 
 BENCH_STEPS_VERSION = 1
 STEP_METHODS = ("ngramrl", "ngramrl-prefetch", "suffix")  # the default
-THREADED = ("ngramrl", "ngramrl-prefetch")  # the methods whose drafting core runs on --threads
+THREADED = ("ngramrl", "ngramrl-prefetch", POOL_METHOD)  # the methods whose drafting core runs on --threads
 
 
 @dataclass
@@ -94,15 +94,12 @@ def resumed_misses(proposer: object) -> float | None:
 
 def step_runs(config: BenchStepsConfig) -> list[tuple[str, int, tuple[int, int] | None]]:
     """(method, threads, (prefetch budget, max budget)) of each run for one trace and batch size:
-    every thread count for the in-process ngramrl methods (SuffixDecoding's core is
-    single-threaded, the pool's shards are actors: one run), every budget with every max budget
-    for ngramrl-prefetch, every budget for the pool, whose shards keep theirs fixed (None: a
-    method without prefetch)."""
+    every thread count for the ngramrl methods (SuffixDecoding's core is single-threaded: one
+    run), every budget with every max budget for ngramrl-prefetch and the pool (its engine
+    prefetches as ngramrl-prefetch does; None: a method without prefetch)."""
     def budgets_of(method: str) -> list[tuple[int, int] | None]:
-        if method == "ngramrl-prefetch":
+        if method in ("ngramrl-prefetch", POOL_METHOD):
             return [(b, m) for b in config.budgets for m in config.max_budgets]
-        if method == POOL_METHOD:
-            return [(b, b) for b in config.budgets]
         return [None]
 
     return [(method, threads, budgets) for method in config.methods
@@ -177,10 +174,11 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                        "prefetch_coverage": prefetch_coverage(engine.proposer),
                        "resumed_misses": resumed_misses(engine.proposer),
                        "budget_mean": budget_mean(engine.proposer)}
-                if method == POOL_METHOD:  # what reached the engine late: the shards' answers, their prefetches
+                if method == POOL_METHOD:  # how the engine's copies of the pool's windows kept up
                     pool_stats = engine.proposer.source.stats()
-                    run.update(late_rows=pool_stats["pool_late_rows"], prefetch_late=pool_stats["pool_prefetch_late"],
-                               wait_us_median=pool_stats["pool_wait_us_median"])
+                    run.update(sync_calls=pool_stats["pool_calls"], late_syncs=pool_stats["pool_late_syncs"],
+                               unsynced_prompts=pool_stats["pool_down_prompts"],
+                               sync_us_median=pool_stats["pool_sync_us_median"])
                 runs.append(run)
                 write(partial=True)
                 log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} T={run['threads']:<3} "

@@ -368,17 +368,17 @@ SYNCHRONOUS = {"none": False}  # vLLM schedules asynchronously only without an n
 
 @dataclass
 class PoolBench:
-    """The drafter pool an ``ngramrl-pool`` engine drafts from: ``shards`` actors, the engine's
-    proposer waiting up to ``draft_timeout_ms`` for a shard's answer (PoolSection's meaning)."""
+    """The drafter pool whose history an ``ngramrl-pool`` engine copies: ``shards`` actors, a
+    step that starts prompts waiting up to ``sync_wait_ms`` for their windows (PoolSection's)."""
 
     shards: int = 2
-    draft_timeout_ms: float = 50.0
+    sync_wait_ms: float = 20.0
 
     def __post_init__(self) -> None:
         if self.shards < 1:
             raise ValueError(f"pool shards must be >= 1, got {self.shards}")
-        if self.draft_timeout_ms <= 0:
-            raise ValueError(f"pool draft timeout must be > 0 ms, got {self.draft_timeout_ms}")
+        if self.sync_wait_ms < 0:
+            raise ValueError(f"pool sync wait must be >= 0 ms, got {self.sync_wait_ms}")
 
 
 # the module a method needs beyond the project's core, and what to say where it is missing
@@ -432,8 +432,7 @@ def _pool_proposer(workload: Workload, k: int, config: Any, clock: VirtualClock,
                  configure_logging=False)
     snapshots = tempfile.mkdtemp(prefix="ngramrl-bench-pool-")
     drafters = DrafterPool(pool.shards, config, tuple(workload.eos_token_ids), namespace=namespace,
-                           snapshot_dir=snapshots, name_prefix=namespace, draft_timeout_ms=pool.draft_timeout_ms,
-                           num_cpus=0)
+                           snapshot_dir=snapshots, name_prefix=namespace, num_cpus=0, sync_wait_ms=pool.sync_wait_ms)
     settings = drafters.settings()
     previous = os.environ.get(POOL_ENV)
     os.environ[POOL_ENV] = settings.to_json()  # how PoolProposer finds its pool, as in a rollout worker

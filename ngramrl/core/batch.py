@@ -137,11 +137,11 @@ class ReferenceCore:
     def add_rollout(self, prompt_id: str, prompt: Any, output: Any, epoch: int) -> None:
         self.history.add_rollout(prompt_id, _listed(prompt), _listed(output), int(epoch))
 
-    def export(self) -> list[list]:
-        return self.history.export()
+    def export(self, prompt_ids: list[str] | None = None) -> list[list]:
+        return self.history.export(prompt_ids)
 
-    def restore(self, exported: list[list]) -> None:
-        self.history.restore(exported)
+    def restore(self, exported: list[list], replace: bool = False) -> None:
+        self.history.restore(exported, replace)
 
     def clear(self) -> None:
         self.history.clear()

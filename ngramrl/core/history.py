@@ -334,10 +334,13 @@ class RolloutHistory:
 
     # -- saving -------------------------------------------------------------------------------
 
-    def export(self) -> list[list]:
-        """The finished rollouts, oldest prompt first: [prompt_id, prompt, [[epoch, output], ...]]."""
+    def export(self, prompt_ids: list[str] | None = None) -> list[list]:
+        """The finished rollouts, oldest prompt first: [prompt_id, prompt, [[epoch, output], ...]];
+        ``prompt_ids``: only the known ones among them, in that order."""
+        entries = (self._prompts.values() if prompt_ids is None
+                   else [self._prompts[p] for p in prompt_ids if p in self._prompts])
         return [[entry.prompt_id, list(entry.prompt), [[r.epoch, list(r.tokens)] for r in entry.rollouts]]
-                for entry in self._prompts.values()]
+                for entry in entries]
 
     def clear(self) -> None:
         """Forget every prompt and rollout (a request still live goes on without drafts)."""
@@ -348,15 +351,28 @@ class RolloutHistory:
         self._next_global, self._next_queue, self._next_tokens, self._next_stale = None, deque(), 0, 0
         self.layout += 1
 
-    def restore(self, exported: list[list]) -> None:
-        """Add what ``export`` returned, in its order (so windows and recency come out the same)."""
+    def restore(self, exported: list[list], replace: bool = False) -> None:
+        """Add what ``export`` returned, in its order (so windows and recency come out the same);
+        ``replace``: each prompt's rollouts in place of those it had (its live sequences stay)."""
         for prompt_id, prompt, rollouts in exported:
             if not isinstance(prompt_id, str):
                 raise ValueError(f"prompt id {prompt_id!r} is not a string")
             entry = self._entry(prompt_id, token_ids(prompt, f"prompt of {prompt_id!r}"))
+            if replace:
+                self._drop_rollouts(entry)
             for epoch, tokens in rollouts:
                 what = f"rollout of {prompt_id!r}"
                 self._store(entry, _epoch(epoch, f"epoch of a {what}"), token_ids(tokens, what), index_it=True)
+
+    def _drop_rollouts(self, entry: PromptHistory) -> None:
+        """The prompt's window empties; the cross-prompt index counts its tokens as evicted."""
+        tokens = sum(len(r.tokens) for r in entry.rollouts)
+        entry.rollouts.clear()
+        self._stored -= tokens
+        entry.index = None
+        entry.lingering = False
+        if self._global is not None:
+            self._global_evicted(tokens)
 
     def built_global_index(self) -> SuffixAutomaton | None:
         """The cross-prompt index if it is built, without building it."""

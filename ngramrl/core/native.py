@@ -57,14 +57,15 @@ class NativeCore:
     def add_rollout(self, prompt_id: str, prompt: Any, output: Any, epoch: int) -> None:
         self._core.add_rollout(str(prompt_id), prompt, output, int(epoch))
 
-    def export(self) -> list[list]:
+    def export(self, prompt_ids: list[str] | None = None) -> list[list]:
+        found = self._core.export() if prompt_ids is None else self._core.export_prompts(list(prompt_ids))
         return [[prompt_id, list(prompt), [[epoch, list(tokens)] for epoch, tokens in rollouts]]
-                for prompt_id, prompt, rollouts in self._core.export()]
+                for prompt_id, prompt, rollouts in found]
 
-    def restore(self, exported: list[list]) -> None:
+    def restore(self, exported: list[list], replace: bool = False) -> None:
         for prompt_id, prompt, rollouts in exported:
             self._core.restore_prompt(str(prompt_id), [int(t) for t in prompt],
-                                      [(int(epoch), [int(t) for t in tokens]) for epoch, tokens in rollouts])
+                                      [(int(epoch), [int(t) for t in tokens]) for epoch, tokens in rollouts], replace)
 
     def clear(self) -> None:
         self._core.clear()

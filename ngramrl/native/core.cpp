@@ -465,12 +465,25 @@ public:
     py::list export_history() {
         join();
         py::list out;
-        for (Prompt* entry : history_.lru_order()) {
-            py::list rollouts;
-            for (const auto& r : entry->rollouts) rollouts.append(py::make_tuple(r.epoch, py::cast(r.tokens)));
-            out.append(py::make_tuple(entry->id, py::cast(entry->prompt), rollouts));
+        for (Prompt* entry : history_.lru_order()) out.append(exported(entry));
+        return out;
+    }
+
+    // export_history for the known prompts among ``ids``, in that order.
+    py::list export_prompts(const std::vector<std::string>& ids) {
+        join();
+        py::list out;
+        for (const auto& id : ids) {
+            Prompt* entry = history_.find(id);
+            if (entry != nullptr) out.append(exported(entry));
         }
         return out;
+    }
+
+    static py::tuple exported(const Prompt* entry) {
+        py::list rollouts;
+        for (const auto& r : entry->rollouts) rollouts.append(py::make_tuple(r.epoch, py::cast(r.tokens)));
+        return py::make_tuple(entry->id, py::cast(entry->prompt), rollouts);
     }
 
     void clear() {
@@ -478,11 +491,14 @@ public:
         history_.clear();
     }
 
-    // RolloutHistory.restore for one exported prompt: registered, then its rollouts in order.
-    void restore_prompt(const std::string& id, const Tokens& prompt, const std::vector<std::pair<int64_t, Tokens>>& rollouts) {
+    // RolloutHistory.restore for one exported prompt: registered, then its rollouts in order
+    // (``replace``: in place of the rollouts it had).
+    void restore_prompt(const std::string& id, const Tokens& prompt, const std::vector<std::pair<int64_t, Tokens>>& rollouts,
+                        bool replace) {
         join();
         // The entry is the most recently used: the token cap evicts it only when it is alone, which it never does.
         Prompt* entry = history_.entry_for(id, prompt);
+        if (replace) history_.drop_rollouts(entry);
         for (const auto& r : rollouts) history_.store(entry, r.first, r.second, true);
     }
 
@@ -1746,7 +1762,9 @@ PYBIND11_MODULE(_native, m) {
         .def("index_prompt", &Core::index_prompt, py::call_guard<py::gil_scoped_release>())
         .def("export", &Core::export_history)
         .def("clear", &Core::clear, py::call_guard<py::gil_scoped_release>())
-        .def("restore_prompt", &Core::restore_prompt, py::call_guard<py::gil_scoped_release>())
+        .def("export_prompts", &Core::export_prompts)
+        .def("restore_prompt", &Core::restore_prompt, py::arg("id"), py::arg("prompt"), py::arg("rollouts"),
+             py::arg("replace") = false, py::call_guard<py::gil_scoped_release>())
         .def("stored_tokens", &Core::stored_tokens, py::call_guard<py::gil_scoped_release>())
         .def("num_prompts", &Core::num_prompts, py::call_guard<py::gil_scoped_release>())
         .def("prompt_ids", &Core::prompt_ids)

@@ -130,6 +130,18 @@ public:
         return entry;
     }
 
+    // RolloutHistory.drop_rollouts: the prompt's window empties (its live sequences stay); the
+    // cross-prompt index counts the tokens as evicted.
+    void drop_rollouts(Prompt* entry) {
+        int64_t tokens = 0;
+        for (const auto& r : entry->rollouts) tokens += static_cast<int64_t>(r.tokens.size());
+        entry->rollouts.clear();
+        stored -= tokens;
+        entry->index.reset();
+        entry->lingering = false;
+        if (global_) global_evicted(tokens);
+    }
+
     void store(Prompt* entry, int64_t epoch, const Tokens& tokens, bool index_it) {
         entry->rollouts.push_back(StoredRollout{epoch, tokens});
         stored += static_cast<int64_t>(tokens.size());

@@ -26,7 +26,7 @@ class NgramRLOptions:
     shards: int = 4
     num_cpus_per_shard: float = 1.0
     prefetch_budget: int = 16
-    draft_timeout_ms: float = 20.0
+    sync_wait_ms: float = 20.0           # a step starting prompts waits this long for their history
     save_dir: str = "ngramrl_pool"       # pool snapshots (the keeper saves every save_every_s)
     save_every_s: float = 600.0
     namespace: str = "ngramrl-openrlhf"
@@ -34,8 +34,8 @@ class NgramRLOptions:
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1 or self.shards < 1:
             raise ValueError("--ngramrl.num_speculative_tokens and --ngramrl.shards must be >= 1")
-        if self.draft_timeout_ms <= 0 or self.save_every_s <= 0 or self.prefetch_budget < 0:
-            raise ValueError("--ngramrl.draft_timeout_ms and save_every_s must be > 0, prefetch_budget >= 0")
+        if self.save_every_s <= 0 or self.prefetch_budget < 0 or self.sync_wait_ms < 0:
+            raise ValueError("--ngramrl.save_every_s must be > 0, prefetch_budget and sync_wait_ms >= 0")
 
 
 def split_args(argv: list[str]) -> tuple[NgramRLOptions, list[str]]:
@@ -152,8 +152,8 @@ class Integration:
             options = self.options
             self.pool = DrafterPool(options.shards, self.config, (), namespace=options.namespace,
                                     snapshot_dir=os.path.abspath(options.save_dir),
-                                    name_prefix=f"ngramrl-{os.getpid()}", draft_timeout_ms=options.draft_timeout_ms,
-                                    num_cpus=options.num_cpus_per_shard)
+                                    name_prefix=f"ngramrl-{os.getpid()}", num_cpus=options.num_cpus_per_shard,
+                                    sync_wait_ms=options.sync_wait_ms)
             self.keeper = PoolKeeper(self.pool, options.save_every_s)
         return self.pool
 

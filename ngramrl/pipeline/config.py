@@ -172,15 +172,15 @@ class RolloutSection:
 class PoolSection:
     shards: int = 2                    # drafter actors; prompts are spread over them by a stable hash
     num_cpus_per_shard: float = 0.25
-    draft_timeout_ms: float = 50.0     # a draft later than this is not used (the row decodes without one)
+    sync_wait_ms: float = 20.0         # a step starting prompts waits this long for their history from the pool
     save_every: int = 1                # save the shards' history every n steps (0: never)
     restore_from: str | None = None    # a saved pool (a run's pool/ directory) to start warm from
 
     def __post_init__(self) -> None:
         if self.shards < 1:
             raise ValueError(f"shards must be >= 1, got {self.shards}")
-        if self.draft_timeout_ms <= 0 or self.num_cpus_per_shard < 0 or self.save_every < 0:
-            raise ValueError("draft_timeout_ms must be > 0, num_cpus_per_shard and save_every >= 0")
+        if self.num_cpus_per_shard < 0 or self.save_every < 0 or self.sync_wait_ms < 0:
+            raise ValueError("num_cpus_per_shard, save_every and sync_wait_ms must be >= 0")
         if self.restore_from is not None and not os.path.isdir(os.path.expanduser(self.restore_from)):
             raise ValueError(f"restore_from {self.restore_from!r} is not a directory")
 
@@ -327,6 +327,11 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
+# keys earlier versions read, with why they went
+REMOVED_KEYS = {"pool.draft_timeout_ms": "engines draft from their own copy of the pool's history and wait for a "
+                                         "shard only when prompts start (pool.sync_wait_ms; docs/pipeline.md)"}
+
+
 def _build(cls: type, raw: Any, where: str) -> Any:
     if raw is None:
         raw = {}
@@ -336,8 +341,10 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
-        prefix = f"{where}." if where else ""
-        raise ConfigError(f"unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(names))})")
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        if key in REMOVED_KEYS:
+            raise ConfigError(f"{key} is no longer a setting: {REMOVED_KEYS[key]}; delete it")
+        raise ConfigError(f"unknown key {key} (known: {', '.join(sorted(names))})")
     kwargs = {}
     for name, value in raw.items():
         key = f"{where}.{name}" if where else name

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 COUNTERS = ("steps", "row_steps", "committed_tokens", "drafts", "drafted_tokens", "lookup_rows", "prefetch_hits",
-            "cut_tokens", "pool_calls", "pool_late_rows", "pool_down_rows", "pool_errors", "pool_reconnects",
-            "pool_prefetch_late", "draft_us_total", "followed_drafts", "followed_accepted")
+            "cut_tokens", "pool_calls", "pool_synced_prompts", "pool_late_syncs", "pool_down_prompts", "pool_errors",
+            "pool_reconnects", "draft_us_total", "followed_drafts", "followed_accepted")
 
 
 def counters(stats: dict[str, Any] | None) -> dict[str, float]:
@@ -35,4 +35,4 @@ def draft_rates(window: dict[str, float]) -> dict[str, float]:
             "acceptance": ratio(committed - forwards, window.get("drafted_tokens", 0.0)),
             "prefetch_coverage": ratio(window.get("prefetch_hits", 0.0), window.get("lookup_rows", 0.0)),
             "drafter_ms_per_step": ratio(window.get("draft_us_total", 0.0), window.get("steps", 0.0)) / 1000,
-            "pool_fallback_rows": window.get("pool_late_rows", 0.0) + window.get("pool_down_rows", 0.0)}
+            "pool_unsynced_prompts": window.get("pool_down_prompts", 0.0)}

@@ -1,14 +1,14 @@
 """The CPU drafter pool: Ray actors that own the rollout history, sharded by prompt id.
 
 Each ``DrafterShard`` holds the history of the prompts that hash to it. The driver adds every
-finished rollout (``DrafterPool.add_rollouts``); the engines' proposers (``PoolProposer``) send
-each step's committed tokens, get drafts back, and, while the target verifies a draft, the shard
-predicts the likely outcomes and looks up their next drafts (the prefetch). The pool saves the
-shards' state, notices a dead shard, and rebuilds it from the last save plus the rollouts since.
+finished rollout (``DrafterPool.add_rollouts``); each engine drafts from a copy of the windows of
+the prompts it runs, in its own drafting core (``PoolProposer``), and brings a prompt's copy up to
+date (``DrafterShard.sync``: the rollouts it lacks) when a request of it starts there with no
+sibling running. The pool saves the shards' state, notices a dead shard, and rebuilds it from the
+last save plus the rollouts since.
 
-A shard's history is a function of the finished rollouts alone (live sequences are dropped when
-their request ends and the driver adds the finished rollout), so a rebuilt or restored shard
-drafts exactly as the lost one would have.
+A shard's history is a function of the finished rollouts alone, so a rebuilt or restored shard
+holds exactly what the lost one did.
 """
 
 from __future__ import annotations
@@ -18,18 +18,15 @@ import json
 import logging
 import os
 import time
+import uuid
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ngramrl.config import DrafterConfig, NgramRLConfig
 from ngramrl.core.batch import make_core
-from ngramrl.core.drafter import Draft
 from ngramrl.core.history import RolloutHistory, checked_rollout
-from ngramrl.core.rows import DraftBatch
 from ngramrl.core.trace import Rollout
 from ngramrl.pipeline.journal import RolloutJournal
 
@@ -96,41 +93,48 @@ def shard_name(namespace_prefix: str, index: int) -> str:
     return f"{namespace_prefix}-drafter-{index}"
 
 
-@dataclass
-class StepItem:
-    """One request's message to its shard in one engine step."""
-
-    request_id: str
-    prompt_id: str
-    committed: list[int]              # tokens the target committed since the last message
-    k: int                            # the most draft tokens wanted now (0: commit only)
-    prompt: list[int] | None = None   # sent when the shard may not know the request yet
-    before: list[int] | None = None   # output tokens committed before ``committed`` (with ``prompt``)
-    verified: int | None = None       # how much of the last draft was sent for verification
-    hit: bool = False                 # the engine used the prefetched draft for this outcome
+# An engine's copy of a prompt's window, as of a sync: (the shard's incarnation, the rollouts
+# the shard had taken for the prompt).
+Synced = tuple[str, int]
+# What a sync answers for a prompt whose copy is behind: (rollouts taken, replace, rollouts to add
+# as [epoch, tokens]); ``replace``: in place of the copy's (it is too old, or of another incarnation).
+SyncUpdate = tuple[int, bool, list[list]]
 
 
-@dataclass
-class StepReply:
-    request_id: str
-    tokens: list[int]
-    probs: list[float]
-    known: bool = True                # False: the shard lost this request; resend it with its prompt
+def copies_held(core: Any, synced: dict[str, Synced], prompt_ids: list[str]) -> list[Synced | None]:
+    """What an engine's ``core`` holds of each prompt's window, for ``DrafterShard.sync``: the
+    sync it was last brought up to date by (``synced``), None where it holds no copy (never
+    synced, or let go of by the core's token cap)."""
+    return [synced.get(prompt_id) if core.rollout_count(prompt_id) else None for prompt_id in prompt_ids]
+
+
+def apply_sync(core: Any, synced: dict[str, Synced], incarnation: str, prompts: dict[str, list[int]],
+               updates: list[SyncUpdate | None]) -> int:
+    """A sync's answer for ``prompts`` (id -> prompt tokens, in the order asked) enters the
+    engine's ``core``, and ``synced`` records it; returns the prompts brought up to date."""
+    updated = 0
+    for (prompt_id, prompt), update in zip(prompts.items(), updates, strict=True):
+        if update is None:
+            continue
+        taken, replace, rollouts = update
+        if rollouts or replace:
+            core.restore([[prompt_id, prompt, rollouts]], replace=replace)
+        synced[prompt_id] = (incarnation, taken)
+        updated += 1
+    return updated
 
 
 @dataclass
 class ShardStats:
     rollouts: int = 0
-    steps: int = 0
-    drafts: int = 0
-    prefetched: int = 0
-    step_us: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
-    prefetch_us: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    syncs: int = 0
+    synced_prompts: int = 0   # prompts a sync sent rollouts of
+    sync_us: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
 
 class DrafterShard:
-    """The history and live requests of one shard of prompts (a Ray actor in the pipeline), on the
-    same drafting core as the in-engine proposer (``ngramrl.core.batch``)."""
+    """The history of one shard of prompts (a Ray actor in the pipeline), on the same drafting
+    core as the engines' proposers (``ngramrl.core.batch``), which copy its windows (``sync``)."""
 
     def __init__(self, index: int, config: NgramRLConfig, stop_tokens: tuple[int, ...] = (), shards: int = 1,
                  journal: str | None = None) -> None:
@@ -151,11 +155,10 @@ class DrafterShard:
         self._empty()
 
     def _empty(self) -> None:
-        """No history and no requests in flight."""
-        self.core = make_core(self.config.history, self.drafter_config, self.config.prefetch,
-                              threads=self.config.engine.draft_threads)
-        self.requests: dict[str, int] = {}                         # request id -> core handle
-        self.issued: dict[str, Draft] = {}                        # the draft each request is verifying
+        """No history: a new incarnation, so engines replace their copies of its windows."""
+        self.core = make_core(self.config.history, self.drafter_config, self.config.prefetch, threads=1)
+        self.incarnation = uuid.uuid4().hex
+        self.taken: dict[str, int] = {}  # rollouts taken per prompt by this incarnation (restored ones too)
 
     # -- history ----------------------------------------------------------------------------
 
@@ -174,6 +177,7 @@ class DrafterShard:
         touched = {}
         for prompt_id, prompt, output, epoch in rollouts:
             self.core.add_rollout(prompt_id, prompt, output, epoch)
+            self.taken[prompt_id] = self.taken.get(prompt_id, 0) + 1
             touched[prompt_id] = None
         for prompt_id in touched:
             self.core.index_prompt(prompt_id)  # rebuild now, between steps, not in the next one
@@ -235,104 +239,40 @@ class DrafterShard:
             raise SnapshotError(f"{path}: not a valid drafter snapshot ({err})") from None
         self._empty()
         self.core.restore(prompts)
+        self.taken = {prompt_id: len(rollouts) for prompt_id, _, rollouts in prompts}
         beside = RolloutJournal(journal_path(path))  # what the shard that saved it took after the save
         if self.journal is None or os.path.abspath(beside.path) != os.path.abspath(self.journal.path):
             self._take(beside.read())
         self.replay_journal()
         return len(self.core)
 
-    # -- engine steps -----------------------------------------------------------------------
+    # -- engines' copies ----------------------------------------------------------------------
 
-    def step(self, items: list[StepItem], finished: list[str]) -> list[StepReply]:
-        """Commit each request's new tokens and return its next draft (``k`` tokens at most): one
-        core step for the shard's rows; their tokens enter the index right after it."""
+    def sync(self, prompt_ids: list[str], copies: list[Synced | None]) -> tuple[str, list[SyncUpdate | None]]:
+        """What an engine holding ``copies[i]`` of prompt ``prompt_ids[i]``'s window (as of an
+        earlier sync; None: no copy) needs to hold the window this shard holds: None where it is
+        up to date, else the rollouts it lacks, in the order taken (adding them trims its copy's
+        window as this shard's was trimmed), or the whole window to replace its copy where the
+        copy is of another incarnation of this shard or older than the window. Returns this
+        shard's incarnation with the updates."""
         begin = time.perf_counter()
-        self._drop(finished)
-        rows: list[StepItem] = []
-        lost: set[str] = set()
-        starting: dict[str, StepItem] = {}  # the step's new requests, started in one core call
-        for item in items:
-            if item.request_id not in self.requests:
-                if item.prompt is None:
-                    lost.add(item.request_id)
-                    continue
-                starting[item.request_id] = item
+        if len(copies) != len(prompt_ids):
+            raise ValueError(f"sync: {len(copies)} copies for {len(prompt_ids)} prompts")
+        behind = [i for i, (prompt_id, copy) in enumerate(zip(prompt_ids, copies, strict=True))
+                  if copy is None or copy != (self.incarnation, self.taken.get(prompt_id, 0))]
+        windows = {entry[0]: entry[2] for entry in self.core.export([prompt_ids[i] for i in behind])}
+        updates: list[SyncUpdate | None] = [None] * len(prompt_ids)
+        for i in behind:
+            prompt_id, copy = prompt_ids[i], copies[i]
+            taken, window = self.taken.get(prompt_id, 0), windows.get(prompt_id, [])
+            if copy is not None and copy[0] == self.incarnation and 0 <= taken - copy[1] <= len(window):
+                updates[i] = (taken, False, window[len(window) - (taken - copy[1]):])
             else:
-                self._observe(item)
-            rows.append(item)
-        if starting:
-            new = list(starting.values())
-            handles = self.core.start_many([item.prompt_id for item in new], [item.prompt for item in new],
-                                           [item.before or [] for item in new], register=True)
-            self.requests.update(zip(starting, handles, strict=True))
-        drafts: dict[str, Draft] = {}
-        if rows:
-            handles = [self.requests[item.request_id] for item in rows]
-            offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-            np.cumsum([len(item.committed) for item in rows], out=offsets[1:])
-            batch = self.core.step(handles, [t for item in rows for t in item.committed], offsets,
-                                   [item.k for item in rows])
-            self.core.absorb(handles, now=True)
-            for item, draft in zip(rows, batch.drafts(), strict=True):
-                drafts[item.request_id] = draft
-                self.issued[item.request_id] = drafts[item.request_id]
-                self.stats.drafts += bool(drafts[item.request_id].tokens)
-        replies = [StepReply(item.request_id, [], [], known=False) if item.request_id in lost
-                   else StepReply(item.request_id, drafts[item.request_id].tokens, drafts[item.request_id].probs)
-                   for item in items]
-        self.stats.steps += 1
-        self.stats.step_us.append((time.perf_counter() - begin) * 1e6)
-        return replies
-
-    def _observe(self, item: StepItem) -> None:
-        """The last draft's outcome is now known: calibrate on it (causal: it is in the past)."""
-        issued = self.issued.get(item.request_id)
-        if issued is None or not issued.tokens:
-            return
-        if item.verified is not None:
-            issued = issued.truncated(item.verified)
-            self.issued[item.request_id] = issued
-        accepted = len(item.committed) - 1
-        if 0 <= accepted <= len(issued.tokens) and item.committed[:accepted] == issued.tokens[:accepted]:
-            self.core.observe(issued.probs, [0, len(issued.probs)], [accepted])
-
-    def prefetch(self, request_ids: list[str], k: int, verified: list[int] | None = None,
-                 ) -> dict[str, list[tuple[int, int, list[int], list[float]]]]:
-        """While the engine verifies: the next drafts of each request's likeliest outcomes (the
-        core's outcome model and allocator; they are the drafts its next step makes for them).
-        ``verified``: how much of each request's last draft went to verification (None: all of
-        it); a request sent none of it (or given none) has one outcome to guess, its next token."""
-        begin = time.perf_counter()
-        if verified is not None and len(verified) != len(request_ids):
-            raise ValueError(f"prefetch: {len(verified)} verified lengths for {len(request_ids)} requests")
-        sent: list[str] = []
-        drafts: list[Draft] = []
-        for n, rid in enumerate(request_ids):
-            issued = self.issued.get(rid)
-            if rid in self.requests and issued is not None:
-                sent.append(rid)
-                drafts.append(issued if verified is None else issued.truncated(verified[n]))
-        out: dict[str, list[tuple[int, int, list[int], list[float]]]] = {}
-        if sent:
-            batch = DraftBatch.from_drafts(drafts)
-            self.core.prefetch([self.requests[rid] for rid in sent], batch.tokens, batch.offsets, batch.probs, k)
-            found = self.core.collect()
-            for n in range(len(found)):
-                out.setdefault(sent[int(found.rows[n])], []).append(
-                    (int(found.accepted[n]), int(found.token[n]), *_listed(found.drafts.draft(n))))
-            self.stats.prefetched += len(found)
-        self.stats.prefetch_us.append((time.perf_counter() - begin) * 1e6)
-        return out
-
-    def _drop(self, request_ids: list[str]) -> None:
-        handles = []
-        for request_id in request_ids:
-            handle = self.requests.pop(request_id, None)
-            self.issued.pop(request_id, None)
-            if handle is not None:
-                handles.append(handle)
-        if handles:
-            self.core.finish_many(handles, None, linger=True)  # the driver adds the finished rollouts
+                updates[i] = (taken, True, window)
+            self.stats.synced_prompts += 1
+        self.stats.syncs += 1
+        self.stats.sync_us.append((time.perf_counter() - begin) * 1e6)
+        return self.incarnation, updates
 
     def lookup(self, prompt_id: str, prompt: list[int], output: list[int], k: int) -> tuple[list[int], list[float]]:
         """The draft after ``output`` from the current history, changing nothing."""
@@ -344,14 +284,9 @@ class DrafterShard:
 
         stats = self.stats
         return {"shard": self.index, "pid": os.getpid(), "prompts": len(self.core), "native": self.core.native,
-                "stored_tokens": self.core.stored_tokens, "rollouts": stats.rollouts, "steps": stats.steps,
-                "live_requests": len(self.requests), "prefetched": stats.prefetched,
-                "step_us_median": statistics.median(stats.step_us) if stats.step_us else None,
-                "prefetch_us_median": statistics.median(stats.prefetch_us) if stats.prefetch_us else None}
-
-
-def _listed(draft: Draft) -> tuple[list[int], list[float]]:
-    return list(draft.tokens), list(draft.probs)
+                "stored_tokens": self.core.stored_tokens, "rollouts": stats.rollouts, "syncs": stats.syncs,
+                "synced_prompts": stats.synced_prompts,
+                "sync_us_median": statistics.median(stats.sync_us) if stats.sync_us else None}
 
 
 @dataclass
@@ -361,7 +296,7 @@ class PoolSettings:
     names: list[str]
     namespace: str
     address: str | None = None
-    draft_timeout_ms: float = 50.0
+    sync_wait_ms: float = 20.0   # how long a step starting prompts waits for their windows (then: a later step)
     retry_after_s: float = 2.0
 
     def to_json(self) -> str:
@@ -376,8 +311,8 @@ class DrafterPool:
     """The driver's handle on the shards: routing, saving, health checks and restarts."""
 
     def __init__(self, shards: int, config: NgramRLConfig, stop_tokens: tuple[int, ...], namespace: str,
-                 snapshot_dir: str, name_prefix: str = "ngramrl", draft_timeout_ms: float = 50.0,
-                 num_cpus: float = 0.25) -> None:
+                 snapshot_dir: str, name_prefix: str = "ngramrl", num_cpus: float = 0.25,
+                 sync_wait_ms: float = 20.0) -> None:
         import ray
 
         self.ray = ray
@@ -387,7 +322,7 @@ class DrafterPool:
         self.snapshot_dir = snapshot_dir
         self.names = [shard_name(name_prefix, i) for i in range(shards)]
         self.num_cpus = num_cpus
-        self.draft_timeout_ms = draft_timeout_ms
+        self.sync_wait_ms = sync_wait_ms
         self.actor_class = ray.remote(num_cpus=num_cpus, max_restarts=0)(DrafterShard)
         self.handles = [self._create(i) for i in range(shards)]
         self.saved: list[str | None] = [None] * shards
@@ -402,7 +337,7 @@ class DrafterPool:
     def settings(self) -> PoolSettings:
         context = self.ray.get_runtime_context()
         address = getattr(context, "gcs_address", None)
-        return PoolSettings(self.names, self.namespace, address, self.draft_timeout_ms)
+        return PoolSettings(self.names, self.namespace, address, self.sync_wait_ms)
 
     def add_rollouts(self, rollouts: list[Rollout]) -> None:
         """The rollouts go to their prompts' shards; every one is checked before any is sent (a

@@ -1,14 +1,18 @@
-"""The vLLM proposer that drafts from the Ray drafter pool instead of a history in the engine.
+"""The vLLM proposer whose history comes from the Ray drafter pool instead of its own rollouts.
 
     speculative_config={"method": "custom_class", "num_speculative_tokens": k,
                         "model": "ngramrl.pipeline.pool_proposer.PoolProposer"}
 
-Settings arrive in ``NGRAMRL_POOL`` (``PoolSettings`` as JSON). Each engine step sends every
-request's committed tokens to the shard that owns its prompt (one call per shard, all shards at
-once). While the target verifies, the shards look up the next drafts of the likeliest outcomes;
-when the real outcome was among them, the next draft is ready without waiting for the pool.
-Otherwise the proposer waits for the shard's answer up to ``draft_timeout_ms`` and drafts
-nothing for a row whose answer is late or whose shard failed. Drafts only ever propose, so the
+Settings arrive in ``NGRAMRL_POOL`` (``PoolSettings`` as JSON). The engine drafts, prefetches and
+learns acceptance in its own drafting core, as ``NgramRLProposer`` does, so an engine step costs
+what it costs without the pool: no step waits for a shard. The history is the pool's: when a
+request starts with no sibling running in this engine, its prompt's copy here is brought up to
+date from the shard that owns the prompt (the rollouts it lacks, ``DrafterShard.sync``): one call
+per shard for the step's new prompts, waited for up to ``sync_wait_ms`` (a round trip: requests
+start together in RL, so once per generate call); a later answer enters the core at the start of
+a later step. Until then, and while a shard is down, the prompt drafts from the copy it has.
+Finished requests are not added here (the driver adds the finished rollouts to the pool; the next
+sync brings them); their tokens serve their siblings until then. Drafts only ever propose, so the
 committed tokens are the same whatever the pool does.
 """
 
@@ -20,42 +24,24 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from ngramrl.config import PrefetchConfig
-from ngramrl.core.batch import DraftingCore, make_core
-from ngramrl.core.drafter import EMPTY, Draft
-from ngramrl.core.outcome import DraftFollower
-from ngramrl.core.rows import DraftBatch
-from ngramrl.engine.sources import StepRows
+from ngramrl.config import DrafterConfig, NgramRLConfig
+from ngramrl.engine.sources import CoreSource
 from ngramrl.engine.vllm_proposer import NgramRLProposer
-from ngramrl.pipeline.pool import PoolSettings, StepItem, StepReply, shard_of
+from ngramrl.pipeline.pool import PoolSettings, Synced, apply_sync, copies_held, shard_of
 
 POOL_ENV = "NGRAMRL_POOL"
 POOL_PROPOSER = "ngramrl.pipeline.pool_proposer.PoolProposer"
-MAX_FINISHED = 65536  # ended request ids kept for a shard that is down
-
-
-@dataclass
-class PoolRequest:
-    req_id: str
-    prompt_id: str
-    prompt: list[int]
-    output: list[int]
-    shard: int
-    synced_with: str | None = None   # the shard actor that knows this request
-    verified: int | None = None      # length of the draft sent for verification last step
 
 
 @dataclass
 class PoolClientStats:
-    calls: int = 0
-    late_rows: int = 0       # rows whose draft did not come back within the timeout
-    down_rows: int = 0       # rows whose shard was down (no draft)
+    calls: int = 0           # sync calls sent
+    synced_prompts: int = 0  # prompts whose copy a sync brought up to date
+    late: int = 0            # sync answers not back by the next step (they enter when they come)
+    down_prompts: int = 0    # prompts left with the copy they had: their shard was down or its call failed
     errors: int = 0          # failed calls to a shard
     reconnects: int = 0
-    prefetch_late: int = 0   # prefetch answers not back by the next step
-    wait_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # recent waits only: runs are long
+    sync_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # ask to applied, recent ones
 
 
 def connect_ray(settings: PoolSettings) -> Any:
@@ -69,63 +55,50 @@ def connect_ray(settings: PoolSettings) -> Any:
 
 
 class PoolProposer(NgramRLProposer):
-    """``NgramRLProposer`` drafting from the Ray drafter pool (``PoolSource``)."""
+    """``NgramRLProposer`` whose history is the Ray drafter pool's (``PoolSource``)."""
 
     def _make_source(self) -> PoolSource:
         text = os.environ.get(POOL_ENV)
         if not text:
-            raise RuntimeError(f"{POOL_ENV} is not set: PoolProposer drafts from a Ray drafter pool and needs its "
-                               "settings (the rollout worker sets them)")
-        return PoolSource(PoolSettings.from_json(text), self.config.prefetch, self.drafter_config.stop_tokens, self.k,
-                          self.prefetching)
+            raise RuntimeError(f"{POOL_ENV} is not set: PoolProposer drafts from a Ray drafter pool's history and "
+                               "needs its settings (the rollout worker sets them)")
+        return PoolSource(PoolSettings.from_json(text), self.config, self.drafter_config, self.k, self.prefetching,
+                          self.budget_grows)
 
 
-class CoreObserver:
-    """A followed draft's outcome, learned by a drafting core's calibration."""
+@dataclass
+class _Sync:
+    shard: int
+    ref: Any
+    prompts: dict[str, list[int]]  # the prompts asked for, with their tokens
+    asked_at: float
+    late: bool = False
 
-    def __init__(self, core: DraftingCore) -> None:
-        self.core = core
 
-    def observe(self, probs: list[float], accepted: int) -> None:
-        self.core.observe(probs, [0, len(probs)], [accepted])
+class PoolSource(CoreSource):
+    """The drafting core in the engine process (``CoreSource``) holding copies of the pool's
+    windows of the prompts this engine runs. The shards hold the history and save it
+    (``DrafterPool.save``); the acceptance calibration is learned here."""
 
-
-class PoolSource:
-    """The Ray drafter pool's client as the proposer's draft source. The shards hold the history
-    (and snapshot it themselves: ``DrafterPool.snapshot``); the acceptance calibration is learned
-    here, by following every draft the shards send (cut ones too). ``stop_tokens``: this engine's
-    end-of-sequence tokens (the shards may not know them); ``k``: the most draft tokens a step
-    verifies per request; ``prefetch``: the forward leaves time for the shards' prefetch."""
-
-    core = None
-    offloads = False  # the shards' work runs in their actors whatever the proposer does
-
-    def __init__(self, settings: PoolSettings, calibration: PrefetchConfig, stop_tokens: tuple[int, ...], k: int,
-                 prefetch: bool) -> None:
+    def __init__(self, settings: PoolSettings, config: NgramRLConfig, drafter: DrafterConfig, k: int,
+                 background: bool, budget_grows: bool = False) -> None:
+        super().__init__(config, drafter, k, background, budget_grows)
         self.settings = settings
         self.ray = connect_ray(settings)
         from ray.exceptions import RayError
 
         self.ray_error = RayError
-        self.stop_tokens = frozenset(stop_tokens)
-        self.k = k
-        self.prefetch = prefetch
-        # The acceptance calibration and the choice of draft lengths are a drafting core's, as in
-        # the engine's own (native where built); this one holds no history.
-        self.acceptance = make_core(prefetch=calibration)
-        self.follower = DraftFollower(CoreObserver(self.acceptance))
         shards = len(settings.names)
         self.handles: list[Any | None] = [None] * shards
-        self.actor_ids: list[str | None] = [None] * shards
         self.retry_at = [0.0] * shards
-        self.finished: list[list[str]] = [[] for _ in range(shards)]  # ended requests each shard may drop
-        self.finished_for: list[str | None] = [None] * shards          # the shard actor they are meant for
-        self.candidates: dict[str, dict[tuple[int, int], Draft]] = {}
-        self.step_refs: list[tuple[int, Any]] = []
-        self.prefetch_refs: list[tuple[int, Any]] = []
+        self.synced: dict[str, Synced] = {}       # each copy here: as of which sync
+        self.live: dict[str, int] = {}            # live requests per prompt here
+        self.prompt_of: dict[int, str] = {}       # core handle -> prompt id
+        self.asked: set[str] = set()              # prompts with a sync in flight
+        self.syncs: list[_Sync] = []
         self.client = PoolClientStats()
 
-    # -- what the shards cannot do here -------------------------------------------------------
+    # -- what the shards do instead -------------------------------------------------------------
 
     def export_history(self) -> None:
         return None
@@ -137,22 +110,7 @@ class PoolSource:
         """Between generate calls the pool may have restarted shards: look for them again now."""
         self.retry_at = [0.0] * len(self.retry_at)
 
-    # -- acceptance -----------------------------------------------------------------------------
-
-    def lengths(self, drafts: DraftBatch, scale: float, fit: tuple[float, ...], min_gain: float, adaptive: bool,
-                probe_tokens: int) -> tuple[Any, float, bool, bool]:
-        return self.acceptance.lengths(drafts.probs, drafts.offsets, scale, fit, min_gain, adaptive, probe_tokens)
-
-    def followed(self) -> tuple[int, int]:
-        return self.follower.resolved, self.follower.accepted
-
-    def calibration_state(self) -> list[list[float]]:
-        return self.acceptance.calibration_state()
-
-    def load_calibration_state(self, state: list[list[float]]) -> None:
-        self.acceptance.load_calibration_state(state)
-
-    # -- shards -----------------------------------------------------------------------------
+    # -- shards -------------------------------------------------------------------------------
 
     def _handle(self, shard: int) -> Any | None:
         handle = self.handles[shard]
@@ -164,164 +122,104 @@ class PoolSource:
             self.retry_at[shard] = time.monotonic() + self.settings.retry_after_s
             return None
         self.handles[shard] = handle
-        self.actor_ids[shard] = handle._actor_id.hex()
-        if self.actor_ids[shard] != self.finished_for[shard]:  # a new actor never knew those requests
-            self.finished[shard] = []
-            self.finished_for[shard] = self.actor_ids[shard]
         self.client.reconnects += 1
         return handle
 
     def _shard_failed(self, shard: int) -> None:
         self.client.errors += 1
         self.handles[shard] = None
-        self.actor_ids[shard] = None
-        self.retry_at[shard] = time.monotonic()  # look the name up again next step (the pool may have restarted it)
+        self.retry_at[shard] = time.monotonic()  # look the name up again (the pool may have restarted it)
 
-    def _get(self, shard: int, ref: Any) -> Any | None:
-        try:
-            return self.ray.get(ref, timeout=0)
-        except self.ray_error:
-            self._shard_failed(shard)
-            return None
-
-    # -- drafting -----------------------------------------------------------------------------
+    # -- requests -----------------------------------------------------------------------------
 
     def start_many(self, req_ids: list[str], prompt_ids: list[str], prompts: list[list[int]],
-                   befores: list[list[int]]) -> list[PoolRequest]:
-        shards = len(self.handles)
-        return [PoolRequest(req_id, prompt_id, list(prompt), list(before), shard_of(prompt_id, shards))
-                for req_id, prompt_id, prompt, before in zip(req_ids, prompt_ids, prompts, befores, strict=True)]
+                   befores: list[list[int]]) -> list[int]:
+        """Each prompt with no sibling running here (its copy may be behind the pool) is synced
+        with its shard (the answers waited for up to ``sync_wait_ms``); then the requests start in
+        the core."""
+        behind: dict[int, dict[str, list[int]]] = {}
+        for prompt_id, prompt in zip(prompt_ids, prompts, strict=True):
+            if not self.live.get(prompt_id) and prompt_id not in self.asked:
+                behind.setdefault(shard_of(prompt_id, len(self.handles)), {})[prompt_id] = prompt
+        for shard, asked in behind.items():
+            self._ask(shard, asked)
+        if behind and self.syncs and self.settings.sync_wait_ms > 0:
+            self.ray.wait([sync.ref for sync in self.syncs], num_returns=len(self.syncs),
+                          timeout=self.settings.sync_wait_ms / 1000)
+            self._take_answers()
+        handles = super().start_many(req_ids, prompt_ids, prompts, befores)
+        for handle, prompt_id in zip(handles, prompt_ids, strict=True):
+            self.live[prompt_id] = self.live.get(prompt_id, 0) + 1
+            self.prompt_of[handle] = prompt_id
+        return handles
 
-    def finish_many(self, requests: list[PoolRequest], epochs: list[int]) -> None:
-        for request in requests:
-            finished = self.finished[request.shard]
-            finished.append(request.req_id)
-            if len(finished) > MAX_FINISHED:  # a shard down for long: the oldest ids are not worth keeping
-                del finished[:len(finished) // 2]
-            self.candidates.pop(request.req_id, None)
-            self.follower.drop(request.req_id)
+    def finish_many(self, requests: list[int], epochs: list[int]) -> None:
+        """The requests end without becoming rollouts here (the pool gets them from the driver, and
+        the next sync brings them); their tokens stay in their prompt's index for the siblings
+        still running until then."""
+        self.core.finish_many(requests, None, linger=True)
+        for handle in requests:
+            prompt_id = self.prompt_of.pop(handle)
+            left = self.live[prompt_id] - 1
+            if left:
+                self.live[prompt_id] = left
+            else:
+                del self.live[prompt_id]
+
+    def _ask(self, shard: int, prompts: dict[str, list[int]]) -> None:
+        handle = self._handle(shard)
+        if handle is None:
+            self.client.down_prompts += len(prompts)
+            return
+        try:
+            ref = handle.sync.remote(list(prompts), copies_held(self.core, self.synced, list(prompts)))
+        except self.ray_error:
+            self._shard_failed(shard)
+            self.client.down_prompts += len(prompts)
+            return
+        self.client.calls += 1
+        self.asked.update(prompts)
+        self.syncs.append(_Sync(shard, ref, prompts, time.perf_counter()))
+
+    # -- steps --------------------------------------------------------------------------------
 
     def begin_step(self) -> None:
-        """Take the prefetch answers that came back during the forward; surface failed calls. (The
-        shards hold the history: nothing here waits, the drafting state is always free to use.)"""
-        refs = self.step_refs + self.prefetch_refs
-        if refs:
-            ready, _ = self.ray.wait([ref for _, ref in refs], num_returns=len(refs), timeout=0)
-            ready_set = set(ready)
-            for shard, ref in self.step_refs:
-                if ref in ready_set:
-                    self._get(shard, ref)
-            for shard, ref in self.prefetch_refs:
-                if ref not in ready_set:
-                    self.client.prefetch_late += 1
-                    continue
-                found = self._get(shard, ref)
-                for req_id, outcomes in (found or {}).items():
-                    self.candidates[req_id] = {(j, b): Draft(tokens, probs, source="prompt")
-                                               for j, b, tokens, probs in outcomes}
-        self.step_refs, self.prefetch_refs = [], []
+        """After the core's own (``CoreSource.begin_step``): the sync answers that came back enter
+        the core; none is waited for."""
+        super().begin_step()
+        self._take_answers()
 
-    def draft(self, rows: StepRows) -> DraftBatch:
-        drafts: list[Draft] = [EMPTY] * len(rows)
-        prefetched = [False] * len(rows)
-        items: dict[int, list[StepItem]] = {}
-        waiting: dict[int, list[int]] = {}
-        for i, request in enumerate(rows.requests):
-            request: PoolRequest
-            committed = rows.sampled(i)
-            self.follower.committed(request.req_id, committed)
-            k = int(rows.ks[i])
-            ready = None
-            if k > 0:
-                ready = self.candidates.pop(request.req_id, {}).get((len(committed) - 1, committed[-1]))
-            handle = self._handle(request.shard)
-            if handle is None:
-                request.synced_with = None
-                request.output.extend(committed)
-                self.client.down_rows += k > 0 and ready is None
-                continue
-            item = StepItem(request.req_id, request.prompt_id, committed, k, verified=request.verified,
-                            hit=ready is not None)
-            if request.synced_with != self.actor_ids[request.shard]:
-                item.prompt, item.before = request.prompt, list(request.output)
-                request.synced_with = self.actor_ids[request.shard]
-            request.output.extend(committed)
-            items.setdefault(request.shard, []).append(item)
-            if ready is not None:
-                drafts[i] = self._usable(ready, k)
-                prefetched[i] = True
-            elif k > 0:
-                waiting.setdefault(request.shard, []).append(i)
-        refs: dict[int, Any] = {}
-        for shard, shard_items in items.items():
-            handle = self.handles[shard]
-            refs[shard] = handle.step.remote(shard_items, self.finished[shard])
-            self.finished[shard] = []
-            self.client.calls += 1
-        if waiting:
-            self._wait_for_drafts(rows, drafts, refs, waiting)
-        self.step_refs = [(shard, ref) for shard, ref in refs.items() if shard not in waiting]
-        for req_id, draft in zip(rows.req_ids, drafts, strict=True):
-            if draft.tokens:
-                self.follower.offer(req_id, draft)
-        return DraftBatch.from_drafts(drafts, prefetched)
-
-    def _usable(self, draft: Draft, k: int) -> Draft:
-        """At most ``k`` tokens, and nothing after this engine's end-of-sequence tokens: the shards
-        may have been started without them (OpenRLHF's launch does not know the tokenizer)."""
-        end = next((i + 1 for i, token in enumerate(draft.tokens[:k]) if token in self.stop_tokens), k)
-        return draft.truncated(end)
-
-    def _wait_for_drafts(self, rows: StepRows, drafts: list[Draft], refs: dict[int, Any],
-                         waiting: dict[int, list[int]]) -> None:
-        begin = time.perf_counter()
-        pending = [refs[shard] for shard in waiting]
-        ready, _ = self.ray.wait(pending, num_returns=len(pending), timeout=self.settings.draft_timeout_ms / 1000)
-        self.client.wait_us.append((time.perf_counter() - begin) * 1e6)
-        ready_set = set(ready)
-        for shard, indices in waiting.items():
-            if refs[shard] not in ready_set:
-                self.client.late_rows += len(indices)
-                continue
-            replies: list[StepReply] | None = self._get(shard, refs[shard])
-            if replies is None:  # the call failed: the shard is down
-                self.client.down_rows += len(indices)
-                continue
-            by_id = {reply.request_id: reply for reply in replies}
-            for i in indices:
-                request: PoolRequest = rows.requests[i]
-                reply = by_id.get(request.req_id)
-                if reply is None:
-                    continue
-                if not reply.known:
-                    request.synced_with = None  # the shard was replaced: send the whole request next step
-                    continue
-                drafts[i] = self._usable(Draft(reply.tokens, reply.probs, source="prompt"), int(rows.ks[i]))
-
-    def end_step(self, rows: StepRows, sent: DraftBatch, looked_up: bool, prefetch_next: bool,
-                 offload: bool = True) -> None:
-        chosen = rows.prefetched(looked_up)
-        prefetched = [True] * len(rows) if chosen is None else chosen.tolist()
-        by_shard: dict[int, tuple[list[str], list[int]]] = {}
-        for request, length, ahead in zip(rows.requests, np.diff(sent.offsets).tolist(), prefetched, strict=True):
-            request: PoolRequest
-            request.verified = length
-            if ahead and self.handles[request.shard] is not None:
-                req_ids, lengths = by_shard.setdefault(request.shard, ([], []))
-                req_ids.append(request.req_id)
-                lengths.append(length)
-        if not (self.prefetch and prefetch_next):
+    def _take_answers(self) -> None:
+        if not self.syncs:
             return
-        for shard, (req_ids, lengths) in by_shard.items():
-            handle = self.handles[shard]
-            if handle is not None:
-                self.prefetch_refs.append((shard, handle.prefetch.remote(req_ids, self.k, lengths)))
+        ready, _ = self.ray.wait([sync.ref for sync in self.syncs], num_returns=len(self.syncs), timeout=0)
+        ready_set = set(ready)
+        waiting = []
+        for sync in self.syncs:
+            if sync.ref not in ready_set:
+                self.client.late += not sync.late
+                sync.late = True
+                waiting.append(sync)
+                continue
+            self.asked.difference_update(sync.prompts)
+            try:
+                incarnation, updates = self.ray.get(sync.ref, timeout=0)
+            except self.ray_error:
+                self._shard_failed(sync.shard)
+                self.client.down_prompts += len(sync.prompts)
+                continue
+            self.client.synced_prompts += apply_sync(self.core, self.synced, incarnation, sync.prompts, updates)
+            self.client.sync_us.append((time.perf_counter() - sync.asked_at) * 1e6)
+        self.syncs = waiting
+        if len(self.synced) > 2 * len(self.core) + 1024:  # prompts the core's token cap let go of
+            known = set(self.core.prompt_ids())
+            self.synced = {prompt_id: copy for prompt_id, copy in self.synced.items() if prompt_id in known}
 
     def stats(self) -> dict[str, Any]:
         import statistics
 
         client = self.client
-        return {"pool_calls": client.calls, "pool_late_rows": client.late_rows, "pool_down_rows": client.down_rows,
+        return {**super().stats(), "pool_calls": client.calls, "pool_synced_prompts": client.synced_prompts,
+                "pool_late_syncs": client.late, "pool_down_prompts": client.down_prompts,
                 "pool_errors": client.errors, "pool_reconnects": client.reconnects,
-                "pool_prefetch_late": client.prefetch_late,
-                "pool_wait_us_median": statistics.median(client.wait_us) if client.wait_us else None}
+                "pool_sync_us_median": statistics.median(client.sync_us) if client.sync_us else None}

@@ -49,8 +49,8 @@ class StepRecord:
     offered_tokens_per_forward: float  # what whole drafts would have given (the cost model may verify less)
     acceptance: float              # accepted / drafted tokens
     coverage: float                # next drafts served by the prefetch / drafts verified
-    drafter_ms_per_step: float     # the proposer's time per engine step (incl. waiting for the pool)
-    pool_fallback_rows: int        # rows that drafted nothing because a shard was late or down
+    drafter_ms_per_step: float     # the proposer's time per engine step
+    pool_unsynced_prompts: int     # prompts that drafted from an engine's old copy: their shard was down
     pool_restarts: int
     pool_healthy: int
     trained_samples: int = 0        # samples that carried a learning signal (non-flat groups, or any with KL)
@@ -77,14 +77,14 @@ class TrainResult:
 
     def summary(self) -> str:
         head = (f"{'step':>4} {'reward':>7} {'loss':>8} {'tok/fwd':>7} {'offered':>7} {'accept':>6} {'cover':>6} "
-                f"{'rollout s':>9} {'tok/s':>6} {'train s':>7} {'fallback':>8} {'restarts':>8}")
+                f"{'rollout s':>9} {'tok/s':>6} {'train s':>7} {'unsynced':>8} {'restarts':>8}")
         rows = [head]
         for r in self.steps:
             rows.append(f"{r.step:>4} {r.reward:>7.3f} {r.loss:>+8.4f} {r.tokens_per_forward:>7.2f} "
                         f"{r.offered_tokens_per_forward:>7.2f} "
                         f"{r.acceptance:>6.2f} {r.coverage:>6.2f} {r.rollout_seconds:>9.1f} "
                         f"{r.tokens / max(r.rollout_seconds, 1e-9):>6.0f} {r.train_seconds:>7.1f} "
-                        f"{r.pool_fallback_rows:>8d} {r.pool_restarts:>8d}")
+                        f"{r.pool_unsynced_prompts:>8d} {r.pool_restarts:>8d}")
         total = sum(r.rollout_seconds for r in self.steps)
         rows.append(f"rollout time {total:.1f}s over {len(self.steps)} steps; trace: {self.trace_path}")
         if self.report_path:
@@ -187,7 +187,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         if use_pool:
             pool = DrafterPool(config.pool.shards, config.ngramrl, tuple(eos), namespace=config.ray.namespace,
                                snapshot_dir=os.path.join(output_dir, POOL_DIR), name_prefix=f"ngramrl-{os.getpid()}",
-                               draft_timeout_ms=config.pool.draft_timeout_ms, num_cpus=config.pool.num_cpus_per_shard)
+                               num_cpus=config.pool.num_cpus_per_shard, sync_wait_ms=config.pool.sync_wait_ms)
             restore_from = os.path.expanduser(config.pool.restore_from or "") or earlier.pool_dir
             if restore_from:
                 restored = pool.restore(restore_from)
@@ -340,7 +340,7 @@ def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]
         offered_tokens_per_forward=rates["offered_tokens_per_forward"],
         acceptance=ratio(accepted, engine.get("vllm_num_draft_tokens", 0.0)),
         coverage=rates["prefetch_coverage"], drafter_ms_per_step=rates["drafter_ms_per_step"],
-        pool_fallback_rows=int(rates["pool_fallback_rows"]),
+        pool_unsynced_prompts=int(rates["pool_unsynced_prompts"]),
         pool_restarts=restarts, pool_healthy=healthy,
         trained_samples=int(sum(m.get("trained_samples", 0.0) for m in train_metrics)))
 

@@ -100,7 +100,7 @@ def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
     last: dict[int, tuple[list[int], list[float]]] = {}
     predicted: dict[int, list[list[int]]] = {}  # handle -> commits the last prefetch looked up
     epoch = 3
-    counts = {"hits": 0, "drafted": 0, "outcomes": 0}
+    counts = {"hits": 0, "drafted": 0, "outcomes": 0, "replaced": 0}
     for step in range(steps):
         starting = []  # the step's admissions, started in one call (siblings among them)
         while len(live) + len(starting) < rng.randrange(1, 9):
@@ -209,6 +209,15 @@ def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
             out = sample(rng.randrange(1, 30), rng.choice(outputs) if outputs else None)
             ref.add_rollout(pid, prompts[pid], out, epoch)
             nat.add_rollout(pid, prompts[pid], out, epoch)
+        if rng.random() < 0.08:  # a drafter pool's sync: rollouts added, or a window in place of the prompt's
+            pid = rng.choice(list(prompts))
+            window = [[max(0, epoch - rng.randrange(2)), sample(rng.randrange(1, 20), rng.choice(outputs) if outputs
+                                                                else None)] for _ in range(rng.randrange(0, 4))]
+            replace = rng.random() < 0.7
+            ref.restore([[pid, prompts[pid], window]], replace=replace)
+            nat.restore([[pid, prompts[pid], window]], replace=replace)
+            assert ref.export([pid, "unseen"]) == nat.export([pid, "unseen"]), where
+            counts["replaced"] += replace
         same_state(ref, nat, where)
         if rng.random() < 0.1:
             pid = rng.choice(list(prompts) + ["unseen"])
@@ -226,12 +235,14 @@ def test_native_equals_reference_on_random_runs(seed):
 
 
 def test_random_runs_exercise_what_they_compare():
-    """The random runs draft, prefetch and hit prefetched drafts (else they would compare little)."""
-    totals = {"hits": 0, "drafted": 0, "outcomes": 0}
+    """The random runs draft, prefetch, hit prefetched drafts and replace windows (else they would
+    compare little)."""
+    totals = {"hits": 0, "drafted": 0, "outcomes": 0, "replaced": 0}
     for seed in range(30):
         for key, value in run_random(seed, steps=30).items():
             totals[key] += value
     assert totals["drafted"] > 1000 and totals["outcomes"] > 500 and totals["hits"] > 50, totals
+    assert totals["replaced"] > 20, totals
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -68,7 +68,7 @@ def test_openrlhf_engines_draft_from_the_pool(ray_with_gpu_token, tiny_model_dir
                                                gpu_memory_utilization=0.5)
 
     integration = install(NgramRLOptions(shards=2, num_speculative_tokens=4, num_cpus_per_shard=0,
-                                         draft_timeout_ms=200, save_dir=str(tmp_path / "pool")))
+                                         save_dir=str(tmp_path / "pool")))
     # Whole drafts: this test is about the integration's plumbing. On a tiny CPU model the step-cost
     # model may rightly turn drafting off for a while (tested in tests/core/test_cost.py).
     integration.config.engine = EngineConfig(adaptive_length=False, prefetch="on")

@@ -1,53 +1,24 @@
-"""The drafter pool: shard protocol, prefetch, saving, restoring and rebuilding after a crash."""
+"""The drafter pool: the engines' copies of its windows, saving, restoring and rebuilding after a crash."""
 
 import os
 import time
 
 import pytest
 
-from ngramrl.config import DrafterConfig, NgramRLConfig, PrefetchConfig
+from ngramrl.config import DrafterConfig, NgramRLConfig
 from ngramrl.core.batch import make_core
 from ngramrl.core.trace import Rollout
-from ngramrl.pipeline.pool import DrafterShard, SnapshotError, StepItem, shard_of
+from ngramrl.pipeline.pool import DrafterShard, SnapshotError, shard_of
 
 PROMPT = [1, 2, 3, 4]
 REPEAT = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
-def shard_with_history(**prefetch):
-    shard = DrafterShard(0, NgramRLConfig(prefetch=PrefetchConfig(**prefetch)), stop_tokens=(99,))
+def shard_with_history():
+    shard = DrafterShard(0, NgramRLConfig(), stop_tokens=(99,))
     shard.add_rollouts([("p", PROMPT, REPEAT + [99], 0), ("p", PROMPT, REPEAT + [99], 0),
                         ("p", PROMPT, REPEAT[:4] + [20, 21, 99], 0)])
     return shard
-
-
-def test_shard_drafts_from_rollouts_and_live_siblings():
-    shard = shard_with_history()
-    first = shard.step([StepItem("r1", "p", [5], 4, prompt=PROMPT, before=[])], [])[0]
-    assert first.tokens == [6, 7, 8, 9] and len(first.probs) == 4
-    # A sibling's committed tokens are visible to the other request at once.
-    shard.step([StepItem("r2", "p", [30], 4, prompt=PROMPT, before=[])], [])
-    shard.step([StepItem("r2", "p", [31, 32, 33], 0)], [])
-    reply = shard.step([StepItem("r1", "p", [6, 7], 4, verified=4), StepItem("r3", "p", [31], 4, prompt=PROMPT,
-                                                                              before=[30])], [])
-    assert reply[1].tokens[:2] == [32, 33]
-
-
-def test_a_steps_new_requests_start_together_each_from_its_own_prompt():
-    # Without the cross-prompt index a request drafts from its own prompt's history only.
-    shard = DrafterShard(0, NgramRLConfig(drafter=DrafterConfig(use_global=False)), stop_tokens=(99,))
-    shard.add_rollouts([("p", PROMPT, [5, 6, 7, 8, 99], 0), ("q", [7, 7], [5, 60, 61, 62, 99], 0)])
-    items = [StepItem("a", "p", [5], 4, prompt=PROMPT, before=[]), StepItem("b", "q", [5], 4, prompt=[7, 7],
-                                                                           before=[]),
-             StepItem("c", "q", [60], 4, prompt=[7, 7], before=[5])]
-    replies = shard.step(items, [])
-    assert [reply.tokens for reply in replies] == [[6, 7, 8, 99], [60, 61, 62, 99], [61, 62, 99]]
-    ending = [shard.requests["a"], shard.requests["b"]]
-    shard.step([], ["a", "b"])  # both end in one call; c goes on
-    for handle in ending:
-        with pytest.raises(ValueError, match="not a live request"):
-            shard.core.known(handle)
-    assert shard.step([StepItem("c", "q", [61], 4)], [])[0].tokens == [62, 99]
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -66,61 +37,6 @@ def test_a_call_with_a_bad_rollout_takes_and_journals_none_of_it(tmp_path, bad, 
     assert shard.core.rollout_count("p") == 1 and shard.stats.rollouts == 1
     rebuilt = DrafterShard(0, NgramRLConfig(), stop_tokens=(99,), journal=journal)
     assert rebuilt.replay_journal() == 1 and rebuilt.core.export() == shard.core.export()
-
-
-def test_unknown_request_asks_for_its_prompt():
-    shard = shard_with_history()
-    reply = shard.step([StepItem("ghost", "p", [5], 4)], [])[0]
-    assert not reply.known and reply.tokens == []
-
-
-def test_prefetched_next_draft_equals_the_ordinary_one():
-    shard, twin = shard_with_history(budget=8), shard_with_history(budget=8)
-    for s in (shard, twin):
-        s.step([StepItem("r", "p", [5], 4, prompt=PROMPT, before=[])], [])
-    candidates = shard.prefetch(["r"], 4)["r"]
-    assert candidates, "the shard predicted no outcome"
-    j, b, tokens, _ = candidates[0]
-    issued = shard.issued["r"].tokens
-    outcome = issued[:j] + [b]
-    hit = shard.step([StepItem("r", "p", outcome, 4, verified=len(issued), hit=True)], [])[0]
-    ordinary = twin.step([StepItem("r", "p", outcome, 4, verified=len(issued))], [])[0]
-    assert hit.tokens == tokens[:4] == ordinary.tokens
-
-
-@pytest.mark.parametrize("native", [True, False])
-def test_prefetch_guesses_from_the_part_of_the_draft_sent_and_from_no_draft(monkeypatch, native):
-    """A request whose draft went to verification in part has outcomes up to that part only; one
-    sent none of it (drafting off this step) has one thing to guess, its next token, and the
-    draft prefetched for it is the ordinary one."""
-    import ngramrl.pipeline.pool as pool
-
-    monkeypatch.setattr(pool, "make_core", lambda *a, **k: make_core(*a, **k, native=native))
-    shard, twin = shard_with_history(budget=8), shard_with_history(budget=8)
-    for s in (shard, twin):
-        s.step([StepItem("r", "p", [5], 4, prompt=PROMPT, before=[])], [])
-    assert len(shard.issued["r"].tokens) == 4
-    assert {j for j, *_ in shard.prefetch(["r"], 4, [2])["r"]} <= {0, 1, 2}
-    for s in (shard, twin):
-        s.step([StepItem("r", "p", [6, 30], 0, verified=2)], [])  # a step without a draft
-    candidates = shard.prefetch(["r"], 4, [0])["r"]
-    assert candidates and {j for j, *_ in candidates} == {0}
-    _, b, tokens, _ = candidates[0]
-    hit = shard.step([StepItem("r", "p", [b], 4, verified=0, hit=True)], [])[0]
-    ordinary = twin.step([StepItem("r", "p", [b], 4, verified=0)], [])[0]
-    assert hit.tokens == tokens[:4] == ordinary.tokens
-    with pytest.raises(ValueError, match="1 verified lengths for 2 requests"):
-        shard.prefetch(["r", "r"], 4, [0])
-
-
-def test_finished_requests_leave_no_trace_once_rollouts_arrive():
-    shard = shard_with_history()
-    shard.step([StepItem("r", "p", [40, 41, 42], 4, prompt=PROMPT, before=[])], [])
-    shard.step([], ["r"])
-    clean = shard_with_history()
-    for s in (shard, clean):
-        s.add_rollouts([("p", PROMPT, [40, 41, 43, 99], 1)])
-    assert shard.lookup("p", PROMPT, [40, 41], 4) == clean.lookup("p", PROMPT, [40, 41], 4)
 
 
 def test_snapshot_round_trip(tmp_path):
@@ -184,18 +100,6 @@ def test_a_snapshot_records_its_shard_and_shard_count(tmp_path):
     for index, shards in ((0, 3), (1, 2)):
         with pytest.raises(SnapshotError, match=f"holds shard 1 of a pool of 3 shards; this is shard {index}"):
             DrafterShard(index, NgramRLConfig(), shards=shards).load(path)
-
-
-def test_shard_latency_samples_are_bounded():
-    from ngramrl.pipeline.pool import RECENT
-
-    shard = shard_with_history(budget=2)
-    shard.step([StepItem("r", "p", [5], 4, prompt=PROMPT, before=[])], [])
-    for _ in range(RECENT + 10):
-        shard.step([StepItem("r", "p", [], 0)], [])
-        shard.prefetch(["r"], 4)
-    assert len(shard.stats.step_us) == len(shard.stats.prefetch_us) == RECENT
-    assert shard.health()["step_us_median"] is not None
 
 
 def test_shard_of_is_stable_and_spreads():
@@ -295,35 +199,94 @@ def test_pool_rebuilds_a_killed_shard_and_restores_saved_state(local_ray, tmp_pa
         pool.shutdown()
 
 
-def test_the_engine_side_learns_acceptance_on_a_drafting_core_from_the_drafts_it_follows():
-    """The pool's proposer keeps its calibration in a drafting core (native where built): a draft
-    followed to its end is learned there, as the reference calibration learns it."""
-    from ngramrl.core.drafter import Draft
-    from ngramrl.core.outcome import AcceptanceCalibration, DraftFollower
-    from ngramrl.pipeline.pool_proposer import CoreObserver
-
-    core, reference = make_core(), AcceptanceCalibration(PrefetchConfig().prior_strength,
-                                                          PrefetchConfig().calibration_decay)
-    followers = [DraftFollower(CoreObserver(core)), DraftFollower(reference)]
-    for follower in followers:
-        for n in range(40):
-            follower.offer("r", Draft([5, 6, 7], [0.9, 0.8, 0.7]))
-            follower.committed("r", [5, 6, 40 + n])  # two of three accepted, every time
-    assert sorted(map(tuple, core.calibration_state())) == sorted(map(tuple, reference.state()))
-    chances = core.chances([0.9, 0.8, 0.7], [0, 3])
-    assert chances[0] > 0.9 and chances[2] < 0.2  # learned: the first two pass, the third does not
 
 
-def test_engine_side_drafts_end_at_the_engines_end_of_sequence_tokens():
-    """Shards started without the tokenizer's EOS (OpenRLHF's launch) may draft past it; the engine
-    side cuts there, and at k."""
-    from types import SimpleNamespace
+def windows(core, prompt_ids):
+    """The prompts' windows that hold rollouts, by prompt (an emptied one may keep its entry)."""
+    return {prompt_id: (prompt, rollouts) for prompt_id, prompt, rollouts in core.export(prompt_ids) if rollouts}
 
-    from ngramrl.core.drafter import Draft
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_sync_brings_an_engines_copy_to_the_shards_window(monkeypatch, tmp_path, native):
+    """Whatever the shard took since, and whenever the engine syncs, its copy of a prompt's window
+    comes out as the shard's: the rollouts it lacks added in order (the window trims as the
+    shard's did), or the whole window in place of a copy older than the window, of another
+    incarnation of the shard (restored from a snapshot), or let go of by the engine's core."""
+    import random
+
+    import ngramrl.pipeline.pool as pool
+    from ngramrl.config import HistoryConfig
+    from ngramrl.pipeline.pool import apply_sync, copies_held
+
+    monkeypatch.setattr(pool, "make_core", lambda *a, **k: make_core(*a, **k, native=native))
+    config = NgramRLConfig(history=HistoryConfig(rollouts_per_prompt=3, epochs_kept=2))
+    shard = DrafterShard(0, config)
+    engine, synced = make_core(config.history, native=native), {}
+    prompts = {f"p{i}": [1, 50 + i, 3] for i in range(4)}
+    rng = random.Random(7)
+    epoch, replaced, added = 0, 0, 0
+    for n in range(400):
+        roll = rng.random()
+        if roll < 0.55:
+            prompt_id = rng.choice(list(prompts))
+            shard.add_rollouts([(prompt_id, prompts[prompt_id], [rng.randrange(5, 9) for _ in range(4)] + [99],
+                                 epoch)])
+            epoch += rng.random() < 0.15
+        elif roll < 0.95:
+            asked = rng.sample(list(prompts), rng.randrange(1, 4))
+            incarnation, updates = shard.sync(asked, copies_held(engine, synced, asked))
+            replaced += sum(1 for update in updates if update is not None and update[1])
+            added += sum(1 for update in updates if update is not None and not update[1])
+            apply_sync(engine, synced, incarnation, {p: prompts[p] for p in asked}, updates)
+            assert windows(engine, asked) == windows(shard.core, asked), f"step {n}"
+        elif roll < 0.98:
+            restored = DrafterShard(0, config)
+            restored.load(shard.save(str(tmp_path / "shard-0.json.gz")))
+            assert restored.incarnation != shard.incarnation
+            shard = restored
+        else:
+            engine.clear()  # as if the core's token cap had let go of every copy
+    assert replaced > 10 and added > 10
+
+
+def test_the_engine_drafts_from_its_copy_and_syncs_a_prompt_once_while_siblings_run(local_ray, tmp_path):
+    """PoolSource on a real shard actor: a request's prompt is synced when it starts with no sibling
+    running; the answer enters the engine's core at once where the step waits for it, else at a
+    later step; a finished request is not history here until the driver has given it to the pool
+    and a later start syncs it."""
+    from ngramrl.pipeline.pool import DrafterPool
     from ngramrl.pipeline.pool_proposer import PoolSource
 
-    source = SimpleNamespace(stop_tokens=frozenset({2}))
-    draft = Draft([5, 6, 2, 7, 8], [0.9] * 5)
-    assert PoolSource._usable(source, draft, 8).tokens == [5, 6, 2]
-    assert PoolSource._usable(source, draft, 1).tokens == [5]
-    assert PoolSource._usable(source, Draft([5, 6], [0.9, 0.9]), 8).tokens == [5, 6]
+    pool = DrafterPool(1, NgramRLConfig(), (99,), namespace="ngramrl-test-pool", snapshot_dir=str(tmp_path / "pool"),
+                       name_prefix="t3", num_cpus=0)
+    try:
+        pool.add_rollouts([Rollout("p", 0, s, PROMPT, REPEAT + [99], "stop") for s in range(2)])
+        settings = pool.settings()
+        settings.sync_wait_ms = 0  # the answer enters at a later step
+        source = PoolSource(settings, NgramRLConfig(), DrafterConfig(stop_tokens=(99,)), 4, background=False)
+
+        def settle():
+            deadline = time.monotonic() + 30
+            while source.syncs:
+                assert time.monotonic() < deadline, "the sync did not come back"
+                time.sleep(0.01)
+                source.begin_step()
+
+        first = source.start_many(["r1"], ["p"], [PROMPT], [[]])
+        assert source.core.lookup_context("p", PROMPT, [5], 4).tokens == []  # nothing here yet
+        settle()
+        assert source.core.lookup_context("p", PROMPT, [5], 4).tokens == [6, 7, 8, 9]
+        assert source.core.rollout_count("p") == 2
+        sibling = source.start_many(["r2"], ["p"], [PROMPT], [[]])
+        assert source.client.calls == 1 and not source.syncs  # a sibling runs: the copy is current
+        source.finish_many(first + sibling, [0, 0])
+        assert source.core.rollout_count("p") == 2  # finished here, history only through the pool
+        pool.add_rollouts([Rollout("p", 1, 0, PROMPT, REPEAT[:3] + [40, 99], "stop")])
+        settings.sync_wait_ms = 60_000  # the step starting the request waits for the answer
+        source.start_many(["r3"], ["p"], [PROMPT], [[]])
+        assert source.client.calls == 2 and source.client.synced_prompts == 2 and not source.syncs
+        assert source.core.rollout_count("p") == 3
+        assert source.core.lookup_context("p", PROMPT, [5, 6, 7], 2).tokens[:1] in ([8], [40])
+        assert source.stats()["pool_sync_us_median"] > 0
+    finally:
+        pool.shutdown()

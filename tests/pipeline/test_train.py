@@ -94,8 +94,8 @@ def test_the_run_trace_replays_in_the_benchmark(faulty_run, capsys):
 def test_a_killed_shard_is_survived_and_restarted(faulty_run):
     step = faulty_run.steps[1]
     assert step.pool_restarts == 1
-    assert step.pool_fallback_rows > 0                # rows of the dead shard decoded without drafts
-    assert faulty_run.steps[2].pool_fallback_rows == 0 and faulty_run.steps[2].tokens_per_forward > 3.0
+    assert step.pool_unsynced_prompts > 0             # prompts of the dead shard drafted from the engine's copy
+    assert faulty_run.steps[2].pool_unsynced_prompts == 0 and faulty_run.steps[2].tokens_per_forward > 3.0
 
 
 def test_greedy_rollouts_are_identical_with_ngramrl_off(faulty_run, model_2k, tmp_path):
