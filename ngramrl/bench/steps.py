@@ -451,7 +451,15 @@ def _pool_proposer(workload: Workload, k: int, config: Any, clock: VirtualClock,
             ray.shutdown()
         shutil.rmtree(snapshots, ignore_errors=True)
 
-    return proposer, lambda _, rollouts: drafters.add_rollouts(rollouts), close
+    def seed(_: Any, rollouts: list[Rollout]) -> None:
+        """The pool takes the history, and the engine holds copies of its windows, as an engine
+        that ran these prompts in the epochs before does (the in-process core's history is
+        indexed before the replay too); a request starting still syncs its prompt."""
+        drafters.add_rollouts(rollouts)
+        proposer.source.sync_now({rollout.prompt_id: rollout.prompt for rollout in rollouts})
+        proposer.source.core.build_indexes()
+
+    return proposer, seed, close
 
 
 def build_engine(method: str, workload: Workload, k: int, times: StepTimes, threads: int = 1,

@@ -166,6 +166,22 @@ class PoolSource(CoreSource):
             else:
                 del self.live[prompt_id]
 
+    def sync_now(self, prompts: dict[str, list[int]], timeout_s: float = 600.0) -> int:
+        """Bring the copies of ``prompts`` (id -> prompt tokens) up to date now, waiting for the
+        shards (between generate calls: an engine that ran these prompts before); returns the
+        prompts updated."""
+        before = self.client.synced_prompts
+        by_shard: dict[int, dict[str, list[int]]] = {}
+        for prompt_id, prompt in prompts.items():
+            if prompt_id not in self.asked:
+                by_shard.setdefault(shard_of(prompt_id, len(self.handles)), {})[prompt_id] = prompt
+        for shard, asked in by_shard.items():
+            self._ask(shard, asked)
+        if self.syncs:
+            self.ray.wait([sync.ref for sync in self.syncs], num_returns=len(self.syncs), timeout=timeout_s)
+            self._take_answers()
+        return self.client.synced_prompts - before
+
     def _ask(self, shard: int, prompts: dict[str, list[int]]) -> None:
         handle = self._handle(shard)
         if handle is None:
