@@ -178,7 +178,8 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                     pool_stats = engine.proposer.source.stats()
                     run.update(sync_calls=pool_stats["pool_calls"], late_syncs=pool_stats["pool_late_syncs"],
                                unsynced_prompts=pool_stats["pool_down_prompts"],
-                               sync_us_median=pool_stats["pool_sync_us_median"])
+                               sync_us_median=pool_stats["pool_sync_us_median"],
+                               batch_sync_ms=round(sum(engine.batch_ns) / 1e6, 3))
                 runs.append(run)
                 write(partial=True)
                 log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} T={run['threads']:<3} "

@@ -203,6 +203,7 @@ class SimulatedEngine:
         self.synchronous = synchronous
         self.runner = StandInRunner()
         self.seed_history = seed_history
+        self.batch_ns: list[int] = []  # each generate call's new_batch, real time
         self._flush = np.ones(max(0, flush_bytes) // 4, dtype=np.float32) if flush_bytes > 0 else None
         if proposer is not None:
             proposer.bind_runner(self.runner)
@@ -229,16 +230,29 @@ class SimulatedEngine:
         with frozen_heap():
             return self._run(requests, batch, waves)
 
+    def _new_batch(self, requests: Any) -> None:
+        """A generate call starts with ``requests``: the proposer is told their prompts, as a rollout
+        worker tells it (``NgramRLProposer.new_batch``); ``batch_ns`` keeps what each call took."""
+        new_batch = getattr(self.proposer, "new_batch", None)
+        if new_batch is not None:
+            begin = time.perf_counter_ns()
+            new_batch({request.prompt_id: request.prompt for request in requests})
+            self.batch_ns.append(time.perf_counter_ns() - begin)
+
     def _run(self, requests: list[PhaseRequest], batch: int, waves: bool) -> list[StepRecord]:
         runner = self.runner
         queue = deque(requests)
         live: dict[str, _Live] = {}
         records: list[StepRecord] = []
+        if not waves:
+            self._new_batch(requests)
         background = self._background()
         returned = time.perf_counter()  # when the proposer's last call returned
         busy = background_ns(background)  # the core's background work until then
         while queue or live:
             if not waves or not live:
+                if waves and queue:
+                    self._new_batch(list(queue)[:batch])
                 while len(live) < batch and queue:
                     request = queue.popleft()
                     runner.add(request.req_id, request.prompt_id, request.prompt, request.epoch)
@@ -451,15 +465,8 @@ def _pool_proposer(workload: Workload, k: int, config: Any, clock: VirtualClock,
             ray.shutdown()
         shutil.rmtree(snapshots, ignore_errors=True)
 
-    def seed(_: Any, rollouts: list[Rollout]) -> None:
-        """The pool takes the history, and the engine holds copies of its windows, as an engine
-        that ran these prompts in the epochs before does (the in-process core's history is
-        indexed before the replay too); a request starting still syncs its prompt."""
-        drafters.add_rollouts(rollouts)
-        proposer.source.sync_now({rollout.prompt_id: rollout.prompt for rollout in rollouts})
-        proposer.source.core.build_indexes()
-
-    return proposer, seed, close
+    # the pool takes the history; the engine copies it when the phase's generate call starts
+    return proposer, lambda _, rollouts: drafters.add_rollouts(rollouts), close
 
 
 def build_engine(method: str, workload: Workload, k: int, times: StepTimes, threads: int = 1,

@@ -104,8 +104,9 @@ class DraftSource(Protocol):
     def restore_history(self, history: Any) -> int:
         """Take ``export_history``'s data in place of the history; returns the prompts now known."""
 
-    def new_batch(self) -> None:
-        """A generate call starts."""
+    def new_batch(self, prompts: dict[str, list[int]] | None = None) -> None:
+        """A generate call starts; ``prompts`` (id -> prompt tokens): those its requests run, where
+        the caller knows them."""
 
     def stats(self) -> dict[str, Any]:
         """The source's own counters, for the proposer's stats."""
@@ -214,7 +215,7 @@ class CoreSource:
         self.core.restore(history)
         return len(self.core)
 
-    def new_batch(self) -> None:
+    def new_batch(self, prompts: dict[str, list[int]] | None = None) -> None:
         pass
 
     def stats(self) -> dict[str, Any]:

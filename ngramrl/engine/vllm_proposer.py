@@ -314,9 +314,11 @@ class NgramRLProposer:
         self._delivered = [float(v) for v in state["delivered"]]
         return prompts
 
-    def new_batch(self) -> None:
-        """A generate call starts (the source may look for restarted drafter actors)."""
-        self.source.new_batch()
+    def new_batch(self, prompts: dict[str, list[int]] | None = None) -> None:
+        """A generate call starts, running ``prompts`` (id -> prompt tokens) where the caller knows
+        them: the drafter pool's source brings its copies of their history up to date now, before
+        the first step, and looks for restarted drafter actors."""
+        self.source.new_batch(prompts)
 
     def bind_runner(self, runner: Any) -> None:
         self.runner = runner

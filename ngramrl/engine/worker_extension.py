@@ -26,11 +26,12 @@ class NgramRLWorkerExtension:
         drafter = getattr(self.model_runner, "drafter", None)
         return drafter.restore_state(state) if hasattr(drafter, "restore_state") else None
 
-    def ngramrl_new_batch(self) -> None:
-        """A new generate call starts: the proposer may refresh what it knows (e.g. restarted shards)."""
+    def ngramrl_new_batch(self, prompts: dict[str, list[int]] | None = None) -> None:
+        """A new generate call starts, running ``prompts`` (id -> prompt tokens): the proposer may
+        refresh what it knows (its copies of the drafter pool's history, restarted shards)."""
         drafter = getattr(self.model_runner, "drafter", None)
         if hasattr(drafter, "new_batch"):
-            drafter.new_batch()
+            drafter.new_batch(prompts)
 
     def ngramrl_load_weights(self, weights: dict[str, Any]) -> int:
         """Load new policy weights (HF parameter names) in place; returns how many tensors were given."""

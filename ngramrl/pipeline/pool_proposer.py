@@ -42,6 +42,7 @@ class PoolClientStats:
     errors: int = 0          # failed calls to a shard
     reconnects: int = 0
     sync_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # ask to applied, recent ones
+    batch_sync_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # new_batch's syncs
 
 
 def connect_ray(settings: PoolSettings) -> Any:
@@ -95,6 +96,7 @@ class PoolSource(CoreSource):
         self.live: dict[str, int] = {}            # live requests per prompt here
         self.prompt_of: dict[int, str] = {}       # core handle -> prompt id
         self.asked: set[str] = set()              # prompts with a sync in flight
+        self.current: set[str] = set()            # prompts synced for this generate call
         self.syncs: list[_Sync] = []
         self.client = PoolClientStats()
 
@@ -106,9 +108,19 @@ class PoolSource(CoreSource):
     def restore_history(self, history: Any) -> int:
         raise NotImplementedError("the drafter pool's history is restored by DrafterPool.restore")
 
-    def new_batch(self) -> None:
-        """Between generate calls the pool may have restarted shards: look for them again now."""
+    def new_batch(self, prompts: dict[str, list[int]] | None = None) -> None:
+        """A generate call starts. The pool may have restarted shards: look for them again now.
+        ``prompts`` (id -> prompt tokens; the driver adds rollouts only between generate calls):
+        their copies are brought up to date and indexed now, before the first step, and count as
+        current until the next call (their requests start without a sync)."""
         self.retry_at = [0.0] * len(self.retry_at)
+        self.current = set()
+        if prompts:
+            begin = time.perf_counter()
+            self.sync_now(prompts)
+            self.core.build_indexes()
+            self.current = set(prompts) - self.asked  # a late answer: its prompt syncs again when it starts
+            self.client.batch_sync_us.append((time.perf_counter() - begin) * 1e6)
 
     # -- shards -------------------------------------------------------------------------------
 
@@ -139,7 +151,7 @@ class PoolSource(CoreSource):
         the core."""
         behind: dict[int, dict[str, list[int]]] = {}
         for prompt_id, prompt in zip(prompt_ids, prompts, strict=True):
-            if not self.live.get(prompt_id) and prompt_id not in self.asked:
+            if not self.live.get(prompt_id) and prompt_id not in self.asked and prompt_id not in self.current:
                 behind.setdefault(shard_of(prompt_id, len(self.handles)), {})[prompt_id] = prompt
         for shard, asked in behind.items():
             self._ask(shard, asked)
@@ -167,9 +179,8 @@ class PoolSource(CoreSource):
                 del self.live[prompt_id]
 
     def sync_now(self, prompts: dict[str, list[int]], timeout_s: float = 600.0) -> int:
-        """Bring the copies of ``prompts`` (id -> prompt tokens) up to date now, waiting for the
-        shards (between generate calls: an engine that ran these prompts before); returns the
-        prompts updated."""
+        """Bring the copies of ``prompts`` (id -> prompt tokens) up to date now, waiting up to
+        ``timeout_s`` for the shards (between generate calls); returns the prompts updated."""
         before = self.client.synced_prompts
         by_shard: dict[int, dict[str, list[int]]] = {}
         for prompt_id, prompt in prompts.items():
@@ -238,4 +249,6 @@ class PoolSource(CoreSource):
         return {**super().stats(), "pool_calls": client.calls, "pool_synced_prompts": client.synced_prompts,
                 "pool_late_syncs": client.late, "pool_down_prompts": client.down_prompts,
                 "pool_errors": client.errors, "pool_reconnects": client.reconnects,
-                "pool_sync_us_median": statistics.median(client.sync_us) if client.sync_us else None}
+                "pool_sync_us_median": statistics.median(client.sync_us) if client.sync_us else None,
+                "pool_batch_sync_us_median": (statistics.median(client.batch_sync_us) if client.batch_sync_us
+                                              else None)}

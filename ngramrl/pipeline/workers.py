@@ -38,7 +38,8 @@ class RolloutWorker:
     def generate(self, prompts: list[PromptSpec], n: int, epoch: dict[str, int], seed: int | None) -> dict[str, Any]:
         """Sample ``n`` rollouts of each prompt; returns them with this call's engine metrics."""
         rollout = self.rollout
-        self.engine.llm.collective_rpc("ngramrl_new_batch")
+        # the prompts' history comes from the drafter pool now, before the first step
+        self.engine.llm.collective_rpc("ngramrl_new_batch", args=({p.prompt_id: list(p.token_ids) for p in prompts},))
         begin = time.perf_counter()
         rollouts: list[Rollout] = self.engine.generate(
             prompts, n=n, epoch=epoch, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,

@@ -283,10 +283,26 @@ def test_the_engine_drafts_from_its_copy_and_syncs_a_prompt_once_while_siblings_
         assert source.core.rollout_count("p") == 2  # finished here, history only through the pool
         pool.add_rollouts([Rollout("p", 1, 0, PROMPT, REPEAT[:3] + [40, 99], "stop")])
         settings.sync_wait_ms = 60_000  # the step starting the request waits for the answer
-        source.start_many(["r3"], ["p"], [PROMPT], [[]])
+        third = source.start_many(["r3"], ["p"], [PROMPT], [[]])
         assert source.client.calls == 2 and source.client.synced_prompts == 2 and not source.syncs
         assert source.core.rollout_count("p") == 3
         assert source.core.lookup_context("p", PROMPT, [5, 6, 7], 2).tokens[:1] in ([8], [40])
         assert source.stats()["pool_sync_us_median"] > 0
+        # A generate call that names its prompts syncs them before its first step; its requests
+        # then start without a call, until the next generate call.
+        source.finish_many(third, [1])
+        pool.add_rollouts([Rollout("p", 2, 0, PROMPT, REPEAT[:2] + [41, 99], "stop"),
+                           Rollout("q", 2, 0, [7, 7], REPEAT + [99], "stop")])
+        source.finish_many(source.start_many(["r4"], ["p"], [PROMPT], [[]]), [0])  # a call without its prompts
+        assert source.client.calls == 3 and source.core.rollout_count("p") == 4
+        source.new_batch({"p": PROMPT, "q": [7, 7]})
+        assert source.client.calls == 4 and source.core.rollout_count("q") == 1 and not source.syncs
+        started = source.start_many(["r5", "r6"], ["q", "p"], [[7, 7], PROMPT], [[], []])
+        source.finish_many(started, [0, 0])
+        source.finish_many(source.start_many(["r7"], ["q"], [[7, 7]], [[]]), [0])
+        assert source.client.calls == 4
+        source.new_batch()
+        source.start_many(["r8"], ["q"], [[7, 7]], [[]])
+        assert source.client.calls == 5 and source.stats()["pool_batch_sync_us_median"] > 0
     finally:
         pool.shutdown()
