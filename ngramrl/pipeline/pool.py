@@ -297,6 +297,7 @@ class PoolSettings:
     namespace: str
     address: str | None = None
     sync_wait_ms: float = 20.0   # how long a step starting prompts waits for their windows (then: a later step)
+    batch_sync_s: float = 60.0   # how long a generate call waits for its prompts' windows before its first step
     retry_after_s: float = 2.0
 
     def to_json(self) -> str:

@@ -111,13 +111,15 @@ class PoolSource(CoreSource):
     def new_batch(self, prompts: dict[str, list[int]] | None = None) -> None:
         """A generate call starts. The pool may have restarted shards: look for them again now.
         ``prompts`` (id -> prompt tokens; the driver adds rollouts only between generate calls):
-        their copies are brought up to date and indexed now, before the first step, and count as
-        current until the next call (their requests start without a sync)."""
+        their copies are brought up to date and indexed now, before the first step (waiting up to
+        ``batch_sync_s``: a shard that hangs delays the call that long, then its prompts' answers
+        enter at a later step), and count as current until the next call (their requests start
+        without a sync)."""
         self.retry_at = [0.0] * len(self.retry_at)
         self.current = set()
         if prompts:
             begin = time.perf_counter()
-            self.sync_now(prompts)
+            self.sync_now(prompts, self.settings.batch_sync_s)
             self.core.build_indexes()
             self.current = set(prompts) - self.asked  # a late answer: its prompt syncs again when it starts
             self.client.batch_sync_us.append((time.perf_counter() - begin) * 1e6)
@@ -178,7 +180,7 @@ class PoolSource(CoreSource):
             else:
                 del self.live[prompt_id]
 
-    def sync_now(self, prompts: dict[str, list[int]], timeout_s: float = 600.0) -> int:
+    def sync_now(self, prompts: dict[str, list[int]], timeout_s: float) -> int:
         """Bring the copies of ``prompts`` (id -> prompt tokens) up to date now, waiting up to
         ``timeout_s`` for the shards (between generate calls); returns the prompts updated."""
         before = self.client.synced_prompts

@@ -306,3 +306,42 @@ def test_the_engine_drafts_from_its_copy_and_syncs_a_prompt_once_while_siblings_
         assert source.client.calls == 5 and source.stats()["pool_batch_sync_us_median"] > 0
     finally:
         pool.shutdown()
+
+
+class SlowShard(DrafterShard):
+    """A shard whose syncs take ``delay_s`` (one that hangs, for as long as the test needs)."""
+
+    delay_s = 3.0
+
+    def sync(self, prompt_ids, copies):
+        time.sleep(self.delay_s)
+        return super().sync(prompt_ids, copies)
+
+
+def test_a_generate_call_waits_for_a_hung_shard_only_so_long(local_ray):
+    """A shard that does not answer delays a generate call's start by ``batch_sync_s`` at most; its
+    prompts draft from the copy they have, and the answer enters the core at a later step."""
+    from ngramrl.pipeline.pool import PoolSettings, shard_name
+    from ngramrl.pipeline.pool_proposer import PoolSource
+
+    name = shard_name("t4", 0)
+    shard = local_ray.remote(num_cpus=0)(SlowShard).options(name=name, namespace="ngramrl-test-pool").remote(
+        0, NgramRLConfig(), (99,))
+    try:
+        local_ray.get(shard.add_rollouts.remote([("p", PROMPT, REPEAT + [99], 0)]))
+        settings = PoolSettings([name], "ngramrl-test-pool", batch_sync_s=0.3)
+        source = PoolSource(settings, NgramRLConfig(), DrafterConfig(stop_tokens=(99,)), 4, background=False)
+        begin = time.monotonic()
+        source.new_batch({"p": PROMPT})
+        assert time.monotonic() - begin < 2.0
+        assert source.core.rollout_count("p") == 0 and "p" not in source.current and source.syncs
+        source.start_many(["r1"], ["p"], [PROMPT], [[]])
+        assert source.client.calls == 1  # the sync in flight is not asked again
+        deadline = time.monotonic() + 30
+        while source.syncs:
+            assert time.monotonic() < deadline, "the late answer never came"
+            time.sleep(0.05)
+            source.begin_step()
+        assert source.core.rollout_count("p") == 1 and source.client.late >= 1
+    finally:
+        local_ray.kill(shard, no_restart=True)
