@@ -119,7 +119,7 @@ class PoolSource(CoreSource):
         self.current = set()
         if prompts:
             begin = time.perf_counter()
-            self.sync_now(prompts, self.settings.batch_sync_s)
+            self._sync(prompts, self.settings.batch_sync_s)
             self.core.build_indexes()
             self.current = set(prompts) - self.asked  # a late answer: its prompt syncs again when it starts
             self.client.batch_sync_us.append((time.perf_counter() - begin) * 1e6)
@@ -151,16 +151,9 @@ class PoolSource(CoreSource):
         """Each prompt with no sibling running here (its copy may be behind the pool) is synced
         with its shard (the answers waited for up to ``sync_wait_ms``); then the requests start in
         the core."""
-        behind: dict[int, dict[str, list[int]]] = {}
-        for prompt_id, prompt in zip(prompt_ids, prompts, strict=True):
-            if not self.live.get(prompt_id) and prompt_id not in self.asked and prompt_id not in self.current:
-                behind.setdefault(shard_of(prompt_id, len(self.handles)), {})[prompt_id] = prompt
-        for shard, asked in behind.items():
-            self._ask(shard, asked)
-        if behind and self.syncs and self.settings.sync_wait_ms > 0:
-            self.ray.wait([sync.ref for sync in self.syncs], num_returns=len(self.syncs),
-                          timeout=self.settings.sync_wait_ms / 1000)
-            self._take_answers()
+        self._sync({prompt_id: prompt for prompt_id, prompt in zip(prompt_ids, prompts, strict=True)
+                    if not self.live.get(prompt_id) and prompt_id not in self.current},
+                   self.settings.sync_wait_ms / 1000)
         handles = super().start_many(req_ids, prompt_ids, prompts, befores)
         for handle, prompt_id in zip(handles, prompt_ids, strict=True):
             self.live[prompt_id] = self.live.get(prompt_id, 0) + 1
@@ -180,20 +173,19 @@ class PoolSource(CoreSource):
             else:
                 del self.live[prompt_id]
 
-    def sync_now(self, prompts: dict[str, list[int]], timeout_s: float) -> int:
-        """Bring the copies of ``prompts`` (id -> prompt tokens) up to date now, waiting up to
-        ``timeout_s`` for the shards (between generate calls); returns the prompts updated."""
-        before = self.client.synced_prompts
+    def _sync(self, prompts: dict[str, list[int]], wait_s: float) -> None:
+        """Ask the shards what the copies of ``prompts`` (id -> prompt tokens; those asked already
+        excepted) lack, one call per shard, and wait up to ``wait_s`` for the answers (those in by
+        then enter the core)."""
         by_shard: dict[int, dict[str, list[int]]] = {}
         for prompt_id, prompt in prompts.items():
             if prompt_id not in self.asked:
                 by_shard.setdefault(shard_of(prompt_id, len(self.handles)), {})[prompt_id] = prompt
         for shard, asked in by_shard.items():
             self._ask(shard, asked)
-        if self.syncs:
-            self.ray.wait([sync.ref for sync in self.syncs], num_returns=len(self.syncs), timeout=timeout_s)
+        if by_shard and self.syncs and wait_s > 0:
+            self.ray.wait([sync.ref for sync in self.syncs], num_returns=len(self.syncs), timeout=wait_s)
             self._take_answers()
-        return self.client.synced_prompts - before
 
     def _ask(self, shard: int, prompts: dict[str, list[int]]) -> None:
         handle = self._handle(shard)
