@@ -5,14 +5,14 @@
 
 Settings arrive in ``NGRAMRL_POOL`` (``PoolSettings`` as JSON). The engine drafts, prefetches and
 learns acceptance in its own drafting core, as ``NgramRLProposer`` does, so an engine step costs
-what it costs without the pool: no step waits for a shard. The history is the pool's: when a
-request starts with no sibling running in this engine, its prompt's copy here is brought up to
-date from the shard that owns the prompt (the rollouts it lacks, ``DrafterShard.sync``): one call
-per shard for the step's new prompts, waited for up to ``sync_wait_ms`` (a round trip: requests
-start together in RL, so once per generate call); a later answer enters the core at the start of
-a later step. Until then, and while a shard is down, the prompt drafts from the copy it has.
-Finished requests are not added here (the driver adds the finished rollouts to the pool; the next
-sync brings them); their tokens serve their siblings until then. Drafts only ever propose, so the
+what it costs without the pool. The history is the pool's: the engine holds copies of the windows
+of the prompts it runs and brings a prompt's copy up to date from the shard that owns it (the
+rollouts it lacks, ``DrafterShard.sync``; one call per shard for many prompts) when a generate
+call names its prompts (``new_batch``, before the first step), or else when a request starts with
+no sibling running here (that step waits up to ``sync_wait_ms``; a later answer enters at a later
+step). Until then, and while a shard is down, a prompt drafts from the copy it has. Finished
+requests are not added here (the driver adds the finished rollouts to the pool; the next sync
+brings them); their tokens serve their siblings until then. Drafts only ever propose, so the
 committed tokens are the same whatever the pool does.
 """
 
