@@ -492,30 +492,29 @@ def build_engine(method: str, workload: Workload, k: int, times: StepTimes, thre
         raise ValueError(f"unknown method {method!r}; choose from {', '.join((*ENGINE_METHODS, POOL_METHOD))}")
     clock = VirtualClock(cpu_scale)
     seed: Callable[[Any, list[Rollout]], None] = _seed_baseline
+    close: Callable[[], None] | None = None
     proposer: Any = None
-    if method == POOL_METHOD:
-        base = config or NgramRLConfig()
-        engine = replace(base.engine, prefetch="auto", draft_threads=threads)
-        proposer, seed, close = _pool_proposer(workload, k, replace(base, engine=engine), clock, pool or PoolBench())
-        simulated = SimulatedEngine(proposer, clock, times, True, flush_bytes, seed, wait_out, close)
-        try:
-            simulated.add_history(workload.history)
-        except BaseException:
-            simulated.close()
-            raise
-        return simulated
     if method == "pld":
         proposer = PromptLookupProposer(k)
     elif method == "suffix":
         proposer = SuffixProposer(k)
     elif method.startswith("ngramrl"):
         base = config or NgramRLConfig()
-        # ngramrl-prefetch: as a GPU engine runs it by default ("auto": the step's work goes to the
-        # background where that is faster); ngramrl: all of it in the call
-        engine = replace(base.engine, prefetch="auto" if method == "ngramrl-prefetch" else "off", draft_threads=threads)
-        proposer = NgramRLProposer(standin_vllm_config(k, workload.eos_token_ids, device_type="cuda"),
-                                   config=replace(base, engine=engine), clock=clock)
-        seed = _seed_ngramrl
-    simulated = SimulatedEngine(proposer, clock, times, SYNCHRONOUS.get(method, True), flush_bytes, seed, wait_out)
-    simulated.add_history(workload.history)
+        # ngramrl-prefetch and the pool: as a GPU engine runs it by default ("auto": the step's work
+        # goes to the background where that is faster); ngramrl: all of it in the call
+        engine = replace(base.engine, prefetch="off" if method == "ngramrl" else "auto", draft_threads=threads)
+        if method == POOL_METHOD:
+            proposer, seed, close = _pool_proposer(workload, k, replace(base, engine=engine), clock,
+                                                   pool or PoolBench())
+        else:
+            proposer = NgramRLProposer(standin_vllm_config(k, workload.eos_token_ids, device_type="cuda"),
+                                       config=replace(base, engine=engine), clock=clock)
+            seed = _seed_ngramrl
+    simulated = SimulatedEngine(proposer, clock, times, SYNCHRONOUS.get(method, True), flush_bytes, seed, wait_out,
+                                close)
+    try:
+        simulated.add_history(workload.history)
+    except BaseException:
+        simulated.close()  # the pool's actors (and its Ray instance) do not outlive a failed start
+        raise
     return simulated
