@@ -20,7 +20,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from ngramrl.config import PrefetchConfig
 from ngramrl.core.drafter import Draft
@@ -91,12 +90,6 @@ class AcceptanceCalibration:
         cell[1] = self.decay * cell[1] + 1
 
 
-class Observer(Protocol):
-    """What learns from a followed draft: an ``AcceptanceCalibration``, or a drafting core's."""
-
-    def observe(self, probs: list[float], accepted: int) -> None: ...
-
-
 class DraftFollower:
     """Calibrates acceptance from every draft, verified or not, by following the committed tokens.
 
@@ -109,7 +102,7 @@ class DraftFollower:
     batches, compute-bound verification), with no exploration. One draft per request is followed
     at a time."""
 
-    def __init__(self, calibration: Observer) -> None:
+    def __init__(self, calibration: AcceptanceCalibration) -> None:
         self.calibration = calibration
         self._open: dict[str, tuple[Draft, int]] = {}
         self.resolved = 0  # drafts followed to their end
