@@ -121,7 +121,9 @@ class PoolSource(CoreSource):
             begin = time.perf_counter()
             self._sync(prompts, self.settings.batch_sync_s)
             self.core.build_indexes()
-            self.current = set(prompts) - self.asked  # a late answer: its prompt syncs again when it starts
+            # not the prompts whose answers are late: those enter when they come, and a request of
+            # such a prompt starting after that asks again
+            self.current = set(prompts) - self.asked
             self.client.batch_sync_us.append((time.perf_counter() - begin) * 1e6)
 
     # -- shards -------------------------------------------------------------------------------
