@@ -112,6 +112,17 @@ def arrival_order(handles: np.ndarray) -> list[int]:
     return np.argsort(handles, kind="stable").tolist()
 
 
+def take_match_states(request: RequestState, looked_up: RequestState) -> None:
+    """A request served a prefetched draft takes the match states that draft's lookup caught up to:
+    the indexes are unchanged since (the stamp), so they are the states its own lookup would
+    leave. Left behind instead, a run of hits would end in a catch-up over all of the run's tokens,
+    which re-matches the cross-prompt index from the recent context past ``rematch_tokens``, and
+    the drafts after the run would depend on which steps hit the prefetch."""
+    request.match, request.behind = looked_up.match, list(looked_up.behind)
+    request.global_index, request.global_match = looked_up.global_index, looked_up.global_match
+    request.global_behind = list(looked_up.global_behind)
+
+
 class ReferenceCore:
     """The batch interface over the pure-Python drafter, one row after the other."""
 
@@ -128,7 +139,9 @@ class ReferenceCore:
         # With ``follow``, every draft made calibrates acceptance by following the committed tokens.
         self.follower = DraftFollower(self.calibration) if follow else None
         self._requests: list[RequestState | None] = []
-        self._cache: dict[tuple[int, int, int], tuple[Draft, tuple]] = {}
+        # (handle, j, b) -> the next draft, the stamp of what its lookup read, and the request as
+        # that lookup left it (its match states caught up over the outcome's tokens)
+        self._cache: dict[tuple[int, int, int], tuple[Draft, tuple, RequestState]] = {}
         self._outcomes = OutcomeBatch.empty()
         self._last_cut = 0.0  # the last prefetch's (outcome.budget_cut)
 
@@ -265,6 +278,7 @@ class ReferenceCore:
             if ready is not None and request.known and ready[1] == self._stamp(request):
                 drafts[i] = ready[0].truncated(k)
                 hits[i] = True
+                take_match_states(request, ready[2])
             else:
                 drafts[i] = drafter.lookup(request, k)
         self._cache = {}
@@ -381,8 +395,9 @@ class ReferenceCore:
             stamp = self._stamp(request)
             for outcome in outcomes:
                 after = draft.tokens[:outcome.accepted] + [outcome.token]
-                next_draft = self.drafter.lookup(self._committed(request, after), k)
-                self._cache[(handle, outcome.accepted, outcome.token)] = (next_draft, stamp)
+                probe = self._committed(request, after)
+                next_draft = self.drafter.lookup(probe, k)
+                self._cache[(handle, outcome.accepted, outcome.token)] = (next_draft, stamp, probe)
                 rows.append(row)
                 accepted.append(outcome.accepted)
                 emitted.append(outcome.token)

@@ -1005,11 +1005,17 @@ private:
     std::vector<DraftOut> drafts_;
     std::vector<uint8_t> hits_, resumed_;
     std::vector<int32_t> lookups_;
+    // The match states a prefetched lookup drafted from (its catch-up over the outcome's tokens).
+    struct LookedFrom {
+        Match prompt, global;
+        Automaton* global_index = nullptr;
+    };
     struct Prefetched {
         int32_t row;
         OutcomeOut outcome;
         DraftOut draft;
         Stamp stamp;  // what its lookup read
+        LookedFrom from;
     };
     std::vector<uint8_t> wants_lookup_, done_;  // a step's rows: still to look up; committed already
     OutcomeTable cache_;  // -> index into outcomes_
@@ -1172,6 +1178,21 @@ private:
         if (r.ls.global) r.ls.global_behind.insert(r.ls.global_behind.end(), tokens.begin(), tokens.end());
     }
 
+    // ReferenceCore's take_match_states: a row served a prefetched draft takes the states its
+    // lookup caught up to (the indexes are unchanged since: the stamp), as its own lookup would
+    // leave them; left behind, a run of hits would re-match the cross-prompt index from the recent
+    // context past rematch_tokens, and later drafts would depend on which steps hit.
+    void take_match_states(Request& r, const LookedFrom& from) const {
+        r.ls.match = from.prompt;
+        r.ls.behind.clear();
+        if (config_.use_global) {
+            r.ls.global = from.global_index;
+            r.ls.global_serial = from.global_index->serial;
+            r.ls.global_match = from.global;
+            r.ls.global_behind.clear();
+        }
+    }
+
     // NgramDrafter.defer
     void defer(Request& r, const Tokens& tokens) {
         r.output.insert(r.output.end(), tokens.begin(), tokens.end());
@@ -1287,6 +1308,7 @@ private:
                 drafts_[i] = outcomes_[at].draft;
                 truncate(drafts_[i], k);
                 hits_[i] = 1;
+                take_match_states(r, outcomes_[at].from);
                 return;
             }
         }
@@ -1498,7 +1520,7 @@ private:
     // The drafts the next step makes for several outcomes (ReferenceCore._committed), drafted
     // together so that their cache misses overlap.
     void lookup_outcomes(const OutcomeLookup* items, size_t n, const Tokens& tokens, int32_t k, Automaton* global,
-                         DraftOut* const* outs) const {
+                         DraftOut* const* outs, LookedFrom* const* froms) const {
         thread_local std::vector<std::vector<SourceMatch>> sources;
         thread_local std::vector<int32_t> ks;
         thread_local Tokens after;
@@ -1511,6 +1533,8 @@ private:
             outcome_probe(r, tokens, items[i].begin, items[i].outcome, after, probe);
             sources_of(r.index, r, after.data(), after.size(), probe, global, sources[i]);
         }
+        for (size_t i = 0; i < n; ++i)
+            *froms[i] = LookedFrom{sources[i][0].match, sources[i].size() > 1 ? sources[i][1].match : Match{}, global};
         chains(sources, ks.data(), outs, n, config_.chain);
     }
 
@@ -1563,14 +1587,16 @@ private:
             auto look = [&](size_t n, size_t begin, size_t end) {
                 OutcomeLookup items[kGroup]{};
                 DraftOut* outs[kGroup]{};
+                LookedFrom* froms[kGroup]{};
                 for (size_t g = begin; g < end; g += kGroup) {
                     if (cancel_.load(std::memory_order_relaxed)) return;
                     const size_t size = std::min(kGroup, end - g);
                     for (size_t i = 0; i < size; ++i) {
                         items[i] = OutcomeLookup{reqs[rows[n]], offsets[rows[n]], chosen[n][g + i]};
                         outs[i] = &found[n][g + i].draft;
+                        froms[i] = &found[n][g + i].from;
                     }
-                    lookup_outcomes(items, size, tokens, k, global, outs);
+                    lookup_outcomes(items, size, tokens, k, global, outs, froms);
                     looked[n] = g + size;
                 }
             };
@@ -1585,7 +1611,7 @@ private:
                 chosen[n] = std::move(mine[0]);
                 const int64_t t1 = now_ns();
                 found[n].reserve(chosen[n].size());
-                for (const OutcomeOut& o : chosen[n]) found[n].push_back(Prefetched{rows[n], o, DraftOut{}, Stamp{}});
+                for (const OutcomeOut& o : chosen[n]) found[n].push_back(Prefetched{rows[n], o, DraftOut{}, Stamp{}, LookedFrom{}});
                 look(n, 0, std::min(kFirst, chosen[n].size()));
                 plan_ns += t1 - t0;
                 lookup_ns += now_ns() - t1;
@@ -1655,23 +1681,26 @@ private:
             // In groups of consecutive jobs drafted together (a cancel waits for one group at most).
             constexpr size_t kGroup = 4;
             std::vector<DraftOut> drafts(jobs.size());
+            std::vector<LookedFrom> froms(jobs.size());
             std::vector<uint8_t> done(jobs.size(), 0);
             workers_.run((jobs.size() + kGroup - 1) / kGroup, [&](size_t g) {
                 if (cancel_.load(std::memory_order_relaxed)) return;
                 const size_t first = g * kGroup, size = std::min(kGroup, jobs.size() - first);
                 OutcomeLookup items[kGroup]{};
                 DraftOut* outs[kGroup]{};
+                LookedFrom* from[kGroup]{};
                 for (size_t i = 0; i < size; ++i) {
                     const Job& job = jobs[first + i];
                     items[i] = OutcomeLookup{reqs[rows[job.n]], offsets[rows[job.n]], job.outcome};
                     outs[i] = &drafts[first + i];
+                    from[i] = &froms[first + i];
                 }
-                lookup_outcomes(items, size, tokens, k, global, outs);
+                lookup_outcomes(items, size, tokens, k, global, outs, from);
                 for (size_t i = 0; i < size; ++i) done[first + i] = 1;
             });
             for (size_t jn = 0; jn < jobs.size(); ++jn)
                 if (done[jn]) found[jobs[jn].n].push_back(Prefetched{rows[jobs[jn].n], jobs[jn].outcome,
-                                                                     std::move(drafts[jn]), Stamp{}});
+                                                                     std::move(drafts[jn]), Stamp{}, froms[jn]});
             lookup_ns += now_ns() - t1;
         }
         size_t total = 0;

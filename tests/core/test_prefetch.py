@@ -1,13 +1,13 @@
-"""The prefetcher changes when drafts are computed, never which: decoding is identical with it off,
-on at several budgets, and with lookup workers that are slow, raise, or answer late."""
+"""The prefetch changes when drafts are computed, never which: decoding through the batched cores
+(reference and native) gives the same drafts and outputs with it off, on at several budgets, and
+cancelled as soon as it starts; and the outcome model and the budget allocator it plans with."""
 
-import asyncio
-import random
-
+import numpy as np
 import pytest
 import torch
 
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
+from ngramrl.core.batch import ReferenceCore, make_core
 from ngramrl.core.drafter import NgramDrafter
 from ngramrl.core.history import RolloutHistory
 from ngramrl.core.outcome import (
@@ -24,7 +24,6 @@ from ngramrl.core.outcome import (
     next_budget,
     predict_outcomes,
 )
-from ngramrl.core.prefetch import Prefetcher, ThreadLookupWorker
 from ngramrl.core.verifier import SamplingSettings, verify
 
 VOCAB = 40
@@ -65,97 +64,103 @@ def warm_history(table, prompts, temperature):
     return history
 
 
-class SlowWorker(ThreadLookupWorker):
-    async def lookup(self, request, after, k):
-        await asyncio.sleep(random.random() * 0.002)
-        return await super().lookup(request, after, k)
+def until_eos(tokens):
+    return tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
-class RaisingWorker(ThreadLookupWorker):
-    calls = 0
-
-    async def lookup(self, request, after, k):
-        RaisingWorker.calls += 1
-        if RaisingWorker.calls % 2:
-            raise RuntimeError("drafter shard died")
-        return await super().lookup(request, after, k)
+def warm_core(core, table, prompts, temperature):
+    for pid, prompt in prompts.items():
+        for sample in range(4):
+            core.add_rollout(pid, prompt, plain_rollout(table, prompt, temperature, 1000 + sample, 40), epoch=0)
 
 
-class LateWorker(ThreadLookupWorker):
-    async def lookup(self, request, after, k):
-        await asyncio.sleep(1.0)  # answers long after the outcome is known
-        return await super().lookup(request, after, k)
-
-
-async def decode(table, prompts, temperature, prefetch=None, worker_cls=None, max_len=40):
-    """Decode one sample per prompt, all requests stepping together; returns outputs and stats."""
-    history = warm_history(table, prompts, temperature)
-    drafter = NgramDrafter(history, DrafterConfig(max_draft=K, stop_tokens=(EOS,)))
-    prefetcher = None
-    if prefetch is not None:
-        worker = worker_cls(drafter) if worker_cls else None
-        prefetcher = Prefetcher(drafter, prefetch, worker)
+def decode(core, table, prompts, temperature, prefetch=False, cancel_at_once=False, max_len=40):
+    """Decode one sample per prompt through a batched core as the engine drives it (a step for
+    every live row, then the prefetch during the "forward" (verification), a cancelling stop at the
+    next step), each row's draft verified with its own generator; finished requests become
+    rollouts (their prompt's index changes, its prefetched drafts go stale). Returns the outputs,
+    every step's drafts and how many drafts came from the prefetch."""
+    warm_core(core, table, prompts, temperature)
     settings = SamplingSettings.uniform(1, temperature=temperature)
-    requests = {pid: drafter.start(f"{pid}/live", pid, prompt) for pid, prompt in prompts.items()}
-    generators = {pid: torch.Generator().manual_seed(7 + i) for i, pid in enumerate(prompts)}
-    drafts = {pid: drafter.propose(request, K) for pid, request in requests.items()}
-    live = set(prompts)
-    drafted = 0
+    pids = list(prompts)
+    handles = dict(zip(pids, core.start_many(pids, [prompts[p] for p in pids], [[]] * len(pids), register=True),
+                       strict=True))
+    generators = {pid: torch.Generator().manual_seed(7 + i) for i, pid in enumerate(pids)}
+    outputs = {pid: [] for pid in pids}
+    committed = {pid: [] for pid in pids}
+    live, steps, hits = list(pids), [], 0
     while live:
-        if prefetcher:
-            prefetcher.dispatch([(requests[pid], drafts[pid], K) for pid in sorted(live)])
-        await asyncio.sleep(0.001)  # the target's forward: prefetch lookups run meanwhile
-        for pid in sorted(live):
-            request, draft = requests[pid], drafts[pid]
-            context = prompts[pid] + request.output
-            tokens = draft.tokens[: K]
-            logits = torch.stack([logits_at(table, context + tokens[:i]) for i in range(len(tokens) + 1)])
-            padded = torch.tensor([tokens + [0] * (K - len(tokens))])
-            full = torch.cat([logits, logits[-1:].expand(K - len(tokens), VOCAB)]) if len(tokens) < K else logits
-            result = verify(full.unsqueeze(0), padded, torch.tensor([len(tokens)]), settings, generators[pid])
-            accepted, emitted = int(result.accepted[0]), int(result.emitted[0])
-            drafted += accepted
-            committed = tokens[:accepted] + [emitted]
-            done = EOS in committed or len(request.output) + len(committed) >= max_len
-            if prefetcher:
-                drafts[pid], _ = prefetcher.next_draft(request, accepted, emitted)
-            else:
-                drafter.commit(request, committed)
-                drafts[pid] = drafter.propose(request, K)
-            if done:
-                if prefetcher:
-                    prefetcher.cancel(request.request_id)
-                live.discard(pid)
-    outputs = {pid: request.output[:max_len] for pid, request in requests.items()}
-    return outputs, drafted, prefetcher.stats if prefetcher else None
+        core.stop(cancel=True)  # the forward has ended: what the prefetch did not finish is dropped
+        rows = [handles[pid] for pid in live]
+        tokens = [t for pid in live for t in committed[pid]]
+        offsets = np.cumsum([0] + [len(committed[pid]) for pid in live])
+        drafts = core.step(rows, tokens, offsets, [K] * len(rows))
+        steps.append(drafts.drafts())
+        hits += int(drafts.prefetched.sum())
+        if prefetch:
+            core.prefetch(rows, drafts.tokens, drafts.offsets, drafts.probs, K, absorb=rows)
+            if cancel_at_once:
+                core.stop(cancel=True)
+        else:
+            core.absorb(rows, now=True)
+        accepted = []
+        for row, pid in enumerate(live):
+            draft = drafts.draft(row).tokens
+            context = prompts[pid] + outputs[pid]
+            logits = torch.stack([logits_at(table, context + draft[:i]) for i in range(len(draft) + 1)])
+            padded = torch.tensor([draft + [0] * (K - len(draft))])
+            full = torch.cat([logits, logits[-1:].expand(K - len(draft), VOCAB)]) if len(draft) < K else logits
+            result = verify(full.unsqueeze(0), padded, torch.tensor([len(draft)]), settings, generators[pid])
+            j, emitted = int(result.accepted[0]), int(result.emitted[0])
+            accepted.append(j)
+            committed[pid] = draft[:j] + [emitted]
+            outputs[pid] += committed[pid]
+        core.observe(drafts.probs, drafts.offsets, accepted)
+        done = [pid for pid in live if EOS in outputs[pid] or len(outputs[pid]) >= max_len]
+        if done:
+            core.stop(cancel=True)
+            core.finish_many([handles[pid] for pid in done], [1] * len(done))
+        live = [pid for pid in live if pid not in done]
+    return {pid: until_eos(out)[:max_len] for pid, out in outputs.items()}, steps, hits
 
 
 PROMPTS = {f"p{i}": [2 + i, 10 + i, 20 + i] for i in range(4)}
+RT = 32
+CORES = ["reference", "native"]
 
 
+def core_of(kind, prefetch=None):
+    config = (HistoryConfig(prompt_tail=2), DrafterConfig(max_draft=K, stop_tokens=(EOS,), rematch_tokens=RT),
+              prefetch or PrefetchConfig(budget=0))
+    if kind == "reference":
+        return ReferenceCore(*config)
+    pytest.importorskip("ngramrl._native", reason="the native core is not built (pip install . builds it)")
+    return make_core(*config, threads=2, native=True)
+
+
+@pytest.mark.parametrize("kind", CORES)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_outputs_identical_with_prefetch_off_on_and_faulty_workers(temperature):
+def test_outputs_and_drafts_identical_with_prefetch_off_on_and_cancelled(kind, temperature):
     table = toy_model()
-    reference, drafted, _ = asyncio.run(decode(table, PROMPTS, temperature))
-    assert drafted > 0, "the drafter must actually draft for this test to mean something"
-    configs = [(PrefetchConfig(budget=b), None) for b in (1, 4, 16)]
-    configs += [(PrefetchConfig(budget=8), SlowWorker), (PrefetchConfig(budget=8), RaisingWorker),
-                (PrefetchConfig(budget=8), LateWorker), (PrefetchConfig(budget=16, global_budget=5), None)]
+    reference, drafts, _ = decode(core_of(kind), table, PROMPTS, temperature)
+    assert sum(len(d.tokens) for step in drafts for d in step) > 0, "the drafter must draft for this to mean anything"
+    configs = [(PrefetchConfig(budget=b, share_budget=False, max_budget=0), False) for b in (1, 4, 16)]
+    configs += [(PrefetchConfig(budget=4), False), (PrefetchConfig(budget=16, global_budget=5), False),
+                (PrefetchConfig(budget=16), True)]
     hits = 0
-    for config, worker in configs:
-        outputs, _, stats = asyncio.run(decode(table, PROMPTS, temperature, config, worker))
-        assert outputs == reference, (config, worker)
-        hits += stats.hits
-        if worker is LateWorker:
-            assert stats.hits == 0 and stats.late > 0
-        if worker is RaisingWorker:
-            assert stats.failed > 0
-    assert hits > 0, "some outcomes must be served from the prefetch"
+    for config, cancel_at_once in configs:
+        outputs, steps, served = decode(core_of(kind, config), table, PROMPTS, temperature, prefetch=True,
+                                        cancel_at_once=cancel_at_once)
+        assert outputs == reference, (config, cancel_at_once)
+        assert steps == drafts, (config, cancel_at_once)
+        hits += served
+    assert hits > 0, "some drafts must be served from the prefetch"
 
 
-def test_greedy_outputs_equal_plain_decoding():
+@pytest.mark.parametrize("kind", CORES)
+def test_greedy_outputs_equal_plain_decoding(kind):
     table = toy_model(3)
-    outputs, _, _ = asyncio.run(decode(table, PROMPTS, 0.0, PrefetchConfig(budget=4)))
+    outputs, _, _ = decode(core_of(kind, PrefetchConfig(budget=4)), table, PROMPTS, 0.0, prefetch=True)
     for pid, prompt in PROMPTS.items():
         assert outputs[pid] == plain_rollout(table, prompt, 0.0, 0, 40)
 
