@@ -126,7 +126,6 @@ class PrefetchConfig:
     levels: int = 3                    # suffix levels whose continuations are candidate corrections
     prior_strength: float = 4.0        # pseudo-observations behind the drafter's own estimate
     calibration_decay: float = 0.99    # forgetting per observation of a calibration cell (acceptance drifts)
-    workers: int = 2                   # lookup threads (the Ray drafter pool replaces them later)
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -141,8 +140,8 @@ class PrefetchConfig:
             raise ValueError(f"PrefetchConfig.min_probability must be in [0, 1], got {self.min_probability}")
         if not 0.0 <= self.plan_floor <= 1.0:
             raise ValueError(f"PrefetchConfig.plan_floor must be in [0, 1], got {self.plan_floor}")
-        if self.levels < 1 or self.workers < 1:
-            raise ValueError("PrefetchConfig.levels and workers must be >= 1")
+        if self.levels < 1:
+            raise ValueError(f"PrefetchConfig.levels must be >= 1, got {self.levels}")
         if not 0.0 < self.calibration_decay <= 1.0:
             raise ValueError(f"PrefetchConfig.calibration_decay must be in (0, 1], got {self.calibration_decay}")
         if self.prior_strength <= 0:

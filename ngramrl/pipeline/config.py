@@ -329,7 +329,9 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
 
 # keys earlier versions read, with why they went
 REMOVED_KEYS = {"pool.draft_timeout_ms": "engines draft from their own copy of the pool's history and wait for a "
-                                         "shard only when prompts start (pool.sync_wait_ms; docs/pipeline.md)"}
+                                         "shard only when prompts start (pool.sync_wait_ms; docs/pipeline.md)",
+                "ngramrl.prefetch.workers": "the prefetch runs on the drafting core's threads "
+                                            "(ngramrl.engine.draft_threads; docs/native.md)"}
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:

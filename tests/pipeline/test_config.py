@@ -40,6 +40,8 @@ def test_defaults_and_overrides():
     ("rollout:\n  samples_per_prompt: 1\n", "bad.yaml: rollout: samples_per_prompt must be >= 2"),
     ("rollout:\n  samplez: 3\n", "bad.yaml: unknown key rollout.samplez"),
     ("pool:\n  draft_timeout_ms: 20\n", "bad.yaml: pool.draft_timeout_ms is no longer a setting: engines draft"),
+    ("ngramrl:\n  prefetch:\n    workers: 2\n",
+     "bad.yaml: ngramrl.prefetch.workers is no longer a setting: the prefetch runs on the drafting core's threads"),
     ("pool:\n  sync_wait_ms: -1\n", "bad.yaml: pool: num_cpus_per_shard, save_every and sync_wait_ms must be >= 0"),
     ("trainer:\n  zero_stage: two\n", "bad.yaml: trainer.zero_stage must be an integer"),
     ("ngramrl:\n  history:\n    rollouts_per_prompt: 0\n",
