@@ -85,8 +85,12 @@ class PromptHistory:
     lingering: bool = False  # the index still holds ended live sequences (dropped at the next rollout)
 
     @property
+    def rollout_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rollouts)
+
+    @property
     def stored_tokens(self) -> int:
-        return len(self.prompt) + sum(len(r.tokens) for r in self.rollouts) + sum(map(len, self.live.values()))
+        return len(self.prompt) + self.rollout_tokens + sum(map(len, self.live.values()))
 
 
 class RolloutHistory:
@@ -227,7 +231,7 @@ class RolloutHistory:
             self.evicted_prompts += 1
             self.layout += 1
             if self._global is not None:
-                self._global_evicted(sum(len(r.tokens) for r in entry.rollouts))
+                self._global_evicted(entry.rollout_tokens)
 
     def sequence(self, prompt: list[int], output: list[int]) -> list[int]:
         """What is indexed for an output: the prompt's last tokens first, so its opening is draftable."""
@@ -366,7 +370,7 @@ class RolloutHistory:
 
     def _drop_rollouts(self, entry: PromptHistory) -> None:
         """The prompt's window empties; the cross-prompt index counts its tokens as evicted."""
-        tokens = sum(len(r.tokens) for r in entry.rollouts)
+        tokens = entry.rollout_tokens
         entry.rollouts.clear()
         self._stored -= tokens
         entry.index = None

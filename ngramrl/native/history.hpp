@@ -60,9 +60,14 @@ struct Prompt {
         return nullptr;
     }
 
-    int64_t stored_tokens() const {
-        int64_t n = static_cast<int64_t>(prompt.size());
+    int64_t rollout_tokens() const {
+        int64_t n = 0;
         for (const auto& r : rollouts) n += static_cast<int64_t>(r.tokens.size());
+        return n;
+    }
+
+    int64_t stored_tokens() const {
+        int64_t n = static_cast<int64_t>(prompt.size()) + rollout_tokens();
         for (const auto& s : live) n += static_cast<int64_t>(s.tokens.size());
         return n;
     }
@@ -133,8 +138,7 @@ public:
     // RolloutHistory.drop_rollouts: the prompt's window empties (its live sequences stay); the
     // cross-prompt index counts the tokens as evicted.
     void drop_rollouts(Prompt* entry) {
-        int64_t tokens = 0;
-        for (const auto& r : entry->rollouts) tokens += static_cast<int64_t>(r.tokens.size());
+        const int64_t tokens = entry->rollout_tokens();
         entry->rollouts.clear();
         stored -= tokens;
         entry->index.reset();
@@ -362,11 +366,7 @@ private:
             stored -= entry->stored_tokens();
             evicted_prompts += 1;
             layout += 1;
-            if (global_) {
-                int64_t tokens = 0;
-                for (const auto& r : entry->rollouts) tokens += static_cast<int64_t>(r.tokens.size());
-                global_evicted(tokens);
-            }
+            if (global_) global_evicted(entry->rollout_tokens());
             const std::string id = entry->id;
             prompts_.erase(id);
         }
