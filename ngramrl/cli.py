@@ -133,13 +133,19 @@ def _train(args: argparse.Namespace) -> int:
 
 def _bench_steps(args: argparse.Namespace) -> int:
     from ngramrl.bench.bench_steps import BenchStepsConfig, run_bench_steps
-    from ngramrl.bench.steps import PoolBench
+    from ngramrl.bench.steps import POOL_METHOD, PoolBench, method_available
 
+    start = None
+    if POOL_METHOD in args.method and method_available(POOL_METHOD) is None:
+        from ngramrl.pipeline.pool_bench import start_pool_engine  # the pool is the pipeline's (it needs Ray)
+
+        start = start_pool_engine
     run_bench_steps(BenchStepsConfig(traces=args.traces, batches=args.batch, threads=args.threads,
                                      methods=args.method, k=args.k, profile=args.profile, flush_mb=args.flush_mb,
                                      draft_always=args.draft_always, budgets=args.budget, max_budgets=args.max_budget,
                                      windows_move=args.windows_move,
-                                     pool=PoolBench(shards=args.pool_shards, sync_wait_ms=args.pool_sync_wait_ms),
+                                     pool=PoolBench(shards=args.pool_shards, sync_wait_ms=args.pool_sync_wait_ms,
+                                                    start=start),
                                      json_out=args.json))
     return 0
 

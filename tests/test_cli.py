@@ -1,4 +1,5 @@
 import json
+import re
 
 import numpy as np
 import pytest
@@ -156,6 +157,21 @@ def test_bench_steps_runs_the_drafter_pool_on_real_shard_actors_and_stops_them(t
     assert pool["tokens_per_forward"] == runs["ngramrl-prefetch"]["tokens_per_forward"] > 1.0
     assert pool["steps"] == runs["ngramrl-prefetch"]["steps"]
     assert main(["bench-steps", trace, "--batch", "3", "--method", "ngramrl-pool", "--pool-shards", "0"]) == 2
+
+
+def test_bench_steps_without_the_pipelines_pool_start_says_where_it_is(tmp_path):
+    """The benchmarks sit below the pipeline: a caller that asks for ngramrl-pool hands them the
+    pipeline's start_pool_engine, and one that does not is told so before any run starts."""
+    pytest.importorskip("ray")
+    from ngramrl.bench.bench_steps import BenchStepsConfig, run_bench_steps
+
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    out = tmp_path / "steps.json"
+    message = "ngramrl-pool needs PoolBench(start=...): the pipeline's start_pool_engine"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_bench_steps(BenchStepsConfig(traces=[trace], batches=[3], methods=["ngramrl", "ngramrl-pool"],
+                                         json_out=str(out)))
+    assert not out.exists()
 
 
 def test_bench_steps_runs_the_prefetching_method_once_per_budget(tmp_path, monkeypatch):

@@ -126,6 +126,9 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
     skipped = {m: why for m in config.methods if (why := method_available(m))}
     for method, why in skipped.items():
         log(f"bench-steps: skipping {method}: {why}")
+    if POOL_METHOD in config.methods and POOL_METHOD not in skipped and config.pool.start is None:
+        raise ValueError(f"{POOL_METHOD} needs PoolBench(start=...): the pipeline's start_pool_engine "
+                         "(ngramrl.pipeline.pool_bench), which the CLI passes")
     engine_config = EngineConfig(adaptive_length=not config.draft_always)
     runs: list[dict] = []
     result = {"ngramrl_bench_steps": BENCH_STEPS_VERSION, "runs": runs,
@@ -134,7 +137,7 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
               "k": config.k, "flush_mb": config.flush_mb, "draft_always": config.draft_always,
               "windows_move": config.windows_move}
     if POOL_METHOD in config.methods:
-        result["pool"] = asdict(config.pool)
+        result["pool"] = {"shards": config.pool.shards, "sync_wait_ms": config.pool.sync_wait_ms}
 
     def write(partial: bool) -> None:
         # after every run: a benchmark that is stopped leaves what it finished

@@ -380,13 +380,22 @@ POOL_METHOD = "ngramrl-pool"
 SYNCHRONOUS = {"none": False}  # vLLM schedules asynchronously only without an n-gram-style drafter
 
 
+# How an ngramrl-pool engine is made: (workload, k, config, clock, pool) -> (proposer, how the
+# history reaches the pool, how the pool is let go of).
+PoolStart = Callable[["Workload", int, Any, "VirtualClock", "PoolBench"],
+                     tuple[Any, Callable[[Any, list[Rollout]], None], Callable[[], None]]]
+
+
 @dataclass
 class PoolBench:
     """The drafter pool whose history an ``ngramrl-pool`` engine copies: ``shards`` actors, a
-    step that starts prompts waiting up to ``sync_wait_ms`` for their windows (PoolSection's)."""
+    step that starts prompts waiting up to ``sync_wait_ms`` for their windows (PoolSection's).
+    ``start`` makes the engine and its pool: the pipeline's ``start_pool_engine``, handed in by
+    the caller (the CLI), since the pool is the pipeline's and the benchmarks sit below it."""
 
     shards: int = 2
     sync_wait_ms: float = 20.0
+    start: PoolStart | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.shards < 1:
@@ -423,52 +432,6 @@ def _seed_baseline(proposer: Any, rollouts: list[Rollout]) -> None:
     proposer.add_history(rollouts)
 
 
-def _pool_proposer(workload: Workload, k: int, config: Any, clock: VirtualClock, pool: PoolBench,
-                   ) -> tuple[Any, Callable[[Any, list[Rollout]], None], Callable[[], None]]:
-    """``PoolProposer`` drafting from a new drafter pool, how the history reaches the pool, and
-    how the pool (and the Ray instance, where started here) is let go of."""
-    import os
-    import shutil
-    import tempfile
-    import uuid
-
-    import ray
-
-    from ngramrl.engine.standin import standin_vllm_config
-    from ngramrl.pipeline.pool import DrafterPool
-    from ngramrl.pipeline.pool_proposer import POOL_ENV, PoolProposer
-
-    started = not ray.is_initialized()
-    namespace = f"ngramrl-bench-{uuid.uuid4().hex[:8]}"
-    if started:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local instance for this run alone
-        ray.init(num_cpus=os.cpu_count() or 1, namespace=namespace, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
-    snapshots = tempfile.mkdtemp(prefix="ngramrl-bench-pool-")
-    drafters = DrafterPool(pool.shards, config, tuple(workload.eos_token_ids), namespace=namespace,
-                           snapshot_dir=snapshots, name_prefix=namespace, num_cpus=0, sync_wait_ms=pool.sync_wait_ms)
-    settings = drafters.settings()
-    previous = os.environ.get(POOL_ENV)
-    os.environ[POOL_ENV] = settings.to_json()  # how PoolProposer finds its pool, as in a rollout worker
-    try:
-        proposer = PoolProposer(standin_vllm_config(k, workload.eos_token_ids, device_type="cuda"), config=config,
-                                clock=clock)
-    finally:
-        if previous is None:
-            os.environ.pop(POOL_ENV, None)
-        else:
-            os.environ[POOL_ENV] = previous
-
-    def close() -> None:
-        drafters.shutdown()
-        if started:
-            ray.shutdown()
-        shutil.rmtree(snapshots, ignore_errors=True)
-
-    # the pool takes the history; the engine copies it when the phase's generate call starts
-    return proposer, lambda _, rollouts: drafters.add_rollouts(rollouts), close
-
-
 def build_engine(method: str, workload: Workload, k: int, times: StepTimes, threads: int = 1,
                  flush_bytes: int = 32 << 20, config: Any = None, cpu_scale: float = 1.0,
                  wait_out: bool = True, pool: PoolBench | None = None) -> SimulatedEngine:
@@ -479,8 +442,8 @@ def build_engine(method: str, workload: Workload, k: int, times: StepTimes, thre
     ``wait_out``: each forward's length passes in real time before the proposer is called (False:
     at once, or once a prefetching core's background is idle, so the prefetch's budget grows only
     into the time the replay's own work between two calls gives it). ``pool``: the drafter pool
-    of ``ngramrl-pool`` (started here, on a local Ray instance unless one is running; the
-    engine's ``close`` stops it)."""
+    of ``ngramrl-pool`` (its ``start`` starts it, on a local Ray instance unless one is running;
+    the engine's ``close`` stops it)."""
     from dataclasses import replace
 
     from ngramrl.bench.proposers import PromptLookupProposer, SuffixProposer
@@ -504,8 +467,10 @@ def build_engine(method: str, workload: Workload, k: int, times: StepTimes, thre
         # goes to the background where that is faster); ngramrl: all of it in the call
         engine = replace(base.engine, prefetch="off" if method == "ngramrl" else "auto", draft_threads=threads)
         if method == POOL_METHOD:
-            proposer, seed, close = _pool_proposer(workload, k, replace(base, engine=engine), clock,
-                                                   pool or PoolBench())
+            if pool is None or pool.start is None:
+                raise ValueError(f"{POOL_METHOD} needs the pipeline's start_pool_engine as PoolBench.start "
+                                 "(ngramrl.pipeline.pool_bench)")
+            proposer, seed, close = pool.start(workload, k, replace(base, engine=engine), clock, pool)
         else:
             proposer = NgramRLProposer(standin_vllm_config(k, workload.eos_token_ids, device_type="cuda"),
                                        config=replace(base, engine=engine), clock=clock)
