@@ -125,13 +125,15 @@ def decode(core, table, prompts, temperature, prefetch=False, cancel_at_once=Fal
 
 
 PROMPTS = {f"p{i}": [2 + i, 10 + i, 20 + i] for i in range(4)}
-RT = 32
+# Rollouts of 40 tokens run hits past this many tokens behind, where a row left behind would
+# re-match the cross-prompt index instead of stepping it (what the drafts comparison guards).
+REMATCH_TOKENS = 32
 CORES = ["reference", "native"]
 
 
 def core_of(kind, prefetch=None):
-    config = (HistoryConfig(prompt_tail=2), DrafterConfig(max_draft=K, stop_tokens=(EOS,), rematch_tokens=RT),
-              prefetch or PrefetchConfig(budget=0))
+    drafter = DrafterConfig(max_draft=K, stop_tokens=(EOS,), rematch_tokens=REMATCH_TOKENS)
+    config = (HistoryConfig(prompt_tail=2), drafter, prefetch or PrefetchConfig(budget=0))
     if kind == "reference":
         return ReferenceCore(*config)
     pytest.importorskip("ngramrl._native", reason="the native core is not built (pip install . builds it)")
