@@ -56,22 +56,18 @@ def plain_rollout(table, prompt, temperature, seed, max_len):
     return out
 
 
-def warm_history(table, prompts, temperature):
-    history = RolloutHistory(HistoryConfig(prompt_tail=2))
-    for pid, prompt in prompts.items():
-        for sample in range(4):
-            history.add_rollout(pid, prompt, plain_rollout(table, prompt, temperature, 1000 + sample, 40), epoch=0)
-    return history
 
 
 def until_eos(tokens):
     return tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
-def warm_core(core, table, prompts, temperature):
+def warm(store, table, prompts, temperature):
+    """Four epoch-0 rollouts of each prompt into ``store`` (a RolloutHistory or a batched core)."""
     for pid, prompt in prompts.items():
         for sample in range(4):
-            core.add_rollout(pid, prompt, plain_rollout(table, prompt, temperature, 1000 + sample, 40), epoch=0)
+            store.add_rollout(pid, prompt, plain_rollout(table, prompt, temperature, 1000 + sample, 40), epoch=0)
+    return store
 
 
 def decode(core, table, prompts, temperature, prefetch=False, cancel_at_once=False, max_len=40):
@@ -80,7 +76,7 @@ def decode(core, table, prompts, temperature, prefetch=False, cancel_at_once=Fal
     next step), each row's draft verified with its own generator; finished requests become
     rollouts (their prompt's index changes, its prefetched drafts go stale). Returns the outputs,
     every step's drafts and how many drafts came from the prefetch."""
-    warm_core(core, table, prompts, temperature)
+    warm(core, table, prompts, temperature)
     settings = SamplingSettings.uniform(1, temperature=temperature)
     pids = list(prompts)
     handles = dict(zip(pids, core.start_many(pids, [prompts[p] for p in pids], [[]] * len(pids), register=True),
@@ -169,7 +165,7 @@ def test_greedy_outputs_equal_plain_decoding(kind):
 
 def first_draft(seed, temperature, prompt_id, path_width=1):
     """A drafter warmed on the toy model's rollouts, and the first draft of a new request."""
-    history = warm_history(toy_model(seed), PROMPTS, temperature)
+    history = warm(RolloutHistory(HistoryConfig(prompt_tail=2)), toy_model(seed), PROMPTS, temperature)
     drafter = NgramDrafter(history, DrafterConfig(max_draft=K, path_width=path_width))
     request = drafter.start("r", prompt_id, PROMPTS[prompt_id])
     return history, drafter, request, drafter.propose(request, K)
