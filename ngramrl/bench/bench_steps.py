@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from ngramrl.bench.report import print_now
 from ngramrl.bench.steps import (
     POOL_METHOD,
+    POOL_START_MISSING,
     PoolBench,
     build_engine,
     copies_for,
@@ -127,8 +128,7 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
     for method, why in skipped.items():
         log(f"bench-steps: skipping {method}: {why}")
     if POOL_METHOD in config.methods and POOL_METHOD not in skipped and config.pool.start is None:
-        raise ValueError(f"{POOL_METHOD} needs PoolBench(start=...): the pipeline's start_pool_engine "
-                         "(ngramrl.pipeline.pool_bench), which the CLI passes")
+        raise ValueError(POOL_START_MISSING)
     engine_config = EngineConfig(adaptive_length=not config.draft_always)
     runs: list[dict] = []
     result = {"ngramrl_bench_steps": BENCH_STEPS_VERSION, "runs": runs,

@@ -386,6 +386,10 @@ PoolStart = Callable[["Workload", int, Any, "VirtualClock", "PoolBench"],
                      tuple[Any, Callable[[Any, list[Rollout]], None], Callable[[], None]]]
 
 
+POOL_START_MISSING = (f"{POOL_METHOD} needs PoolBench(start=...): the pipeline's start_pool_engine "
+                      "(ngramrl.pipeline.pool_bench), which the CLI passes")
+
+
 @dataclass
 class PoolBench:
     """The drafter pool whose history an ``ngramrl-pool`` engine copies: ``shards`` actors, a
@@ -468,8 +472,7 @@ def build_engine(method: str, workload: Workload, k: int, times: StepTimes, thre
         engine = replace(base.engine, prefetch="off" if method == "ngramrl" else "auto", draft_threads=threads)
         if method == POOL_METHOD:
             if pool is None or pool.start is None:
-                raise ValueError(f"{POOL_METHOD} needs the pipeline's start_pool_engine as PoolBench.start "
-                                 "(ngramrl.pipeline.pool_bench)")
+                raise ValueError(POOL_START_MISSING)
             proposer, seed, close = pool.start(workload, k, replace(base, engine=engine), clock, pool)
         else:
             proposer = NgramRLProposer(standin_vllm_config(k, workload.eos_token_ids, device_type="cuda"),
