@@ -143,7 +143,7 @@ def _bench_steps(args: argparse.Namespace) -> int:
     run_bench_steps(BenchStepsConfig(traces=args.traces, batches=args.batch, threads=args.threads,
                                      methods=args.method, k=args.k, profile=args.profile, flush_mb=args.flush_mb,
                                      draft_always=args.draft_always, budgets=args.budget, max_budgets=args.max_budget,
-                                     windows_move=args.windows_move,
+                                     windows_move=args.windows_move, repeats=args.repeats,
                                      pool=PoolBench(shards=args.pool_shards, sync_wait_ms=args.pool_sync_wait_ms,
                                                     start=start),
                                      json_out=args.json))
@@ -268,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--windows-move", action="store_true",
                        help="every prompt's history window moves on during the replay (its first finished rollout "
                             "evicts its oldest epoch's), as in an RL run past its first epochs")
+    steps.add_argument("--repeats", type=int, default=1, metavar="N",
+                       help="run the grid of runs of each trace and batch size N times, every other time in reverse "
+                            "order (A B B A), and summarize each run over its repeats, its mean step also paired "
+                            "with the first run's of the same repeat")
     steps.add_argument("--pool-shards", type=int, default=2, metavar="N",
                        help="ngramrl-pool's drafter actors (pool.shards)")
     steps.add_argument("--pool-sync-wait-ms", type=float, default=20.0, metavar="MS",

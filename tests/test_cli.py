@@ -105,8 +105,9 @@ def test_bench_steps_writes_its_contract_json(tmp_path, capsys):
     assert data["ngramrl_bench_steps"] == 1
     keys = {"trace", "method", "batch", "threads", "steps", "step_us_median", "step_us_mean", "step_us_p99",
             "request_us_mean", "offpath_us_mean", "tokens_per_forward", "prefetch_coverage", "resumed_misses",
-            "budget", "max_budget", "budget_mean"}
+            "budget", "max_budget", "budget_mean", "repeat"}
     assert {(r["method"], r["batch"]) for r in data["runs"]} == {(m, b) for m in methods for b in (1, 3)}
+    assert data["repeats"] == 1 and "summary" not in data and {r["repeat"] for r in data["runs"]} == {0}
     for run in data["runs"]:
         assert set(run) == keys and run["trace"] == trace and run["steps"] > 0
         assert run["threads"] == (1 if run["method"] == "suffix" else 2)
@@ -133,6 +134,29 @@ def test_bench_steps_writes_its_contract_json(tmp_path, capsys):
             assert resumed is None or 0.0 <= resumed <= 1.0
     assert "ngramrl" in capsys.readouterr().out
     assert data["draft_always"] is False
+
+
+def test_bench_steps_repeats_the_grid_in_alternating_order_and_summarizes_each_run(tmp_path, capsys):
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    out = tmp_path / "steps.json"
+    assert main(["bench-steps", trace, "--batch", "3", "--method", "ngramrl", "suffix", "--repeats", "3",
+                 "--flush-mb", "0", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["repeats"] == 3
+    order = [(r["method"], r["repeat"]) for r in data["runs"]]
+    assert order == [("ngramrl", 0), ("suffix", 0), ("suffix", 1), ("ngramrl", 1), ("ngramrl", 2), ("suffix", 2)]
+    summary = {entry["method"]: entry for entry in data["summary"]}
+    means = {m: [r["step_us_mean"] for r in sorted(data["runs"], key=lambda r: r["repeat"]) if r["method"] == m]
+             for m in ("ngramrl", "suffix")}
+    for method, entry in summary.items():
+        assert (entry["repeats"], entry["batch"], entry["trace"]) == (3, 3, trace)
+        assert entry["step_us_mean"] == pytest.approx(sorted(means[method])[1], abs=1e-3)
+        assert (entry["step_us_mean_min"], entry["step_us_mean_max"]) == (min(means[method]), max(means[method]))
+    paired = sorted(s / n for s, n in zip(means["suffix"], means["ngramrl"], strict=True))[1]
+    assert summary["suffix"]["step_mean_ratio"] == pytest.approx(paired, abs=1e-4)
+    assert summary["ngramrl"]["step_mean_ratio"] == 1.0
+    assert "over 3 repeats" in capsys.readouterr().out
+    assert main(["bench-steps", trace, "--batch", "3", "--repeats", "0"]) == 2
 
 
 def test_bench_steps_runs_the_drafter_pool_on_real_shard_actors_and_stops_them(tmp_path):

@@ -6,14 +6,18 @@ so that B requests stay in flight for most steps. The step time reported is the 
 the critical path of a synchronous engine step; it is measured on the steps with B requests in
 flight. The forward's length, which is how long a prefetch worker may run and what the proposer's
 step-cost model learns, comes from a step profile (default: the roofline of a Qwen3-8B shape on
-an H100). JSON: docs/bench-contract.md.
+an H100). With ``repeats`` the grid of runs for a trace and batch size is run several times,
+every other time in reverse order (A B B A), and each run's step time is also read against the
+first run of its own repeat: a ratio of two runs minutes apart on a busy host moves with the
+host, a ratio of neighbours much less. JSON: docs/bench-contract.md.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from ngramrl.bench.report import print_now
@@ -49,6 +53,7 @@ class BenchStepsConfig:
     budgets: list[int] = field(default_factory=lambda: [PrefetchConfig().budget])  # ngramrl-prefetch: one run each
     max_budgets: list[int] = field(default_factory=lambda: [PrefetchConfig().max_budget])  # ... with each of these
     windows_move: bool = False    # every prompt's window moves on in the replayed epoch (an RL run's steady state)
+    repeats: int = 1              # the grid of runs per trace and batch, this many times, in alternating order
     pool: PoolBench = field(default_factory=PoolBench)  # ngramrl-pool's drafter pool
     json_out: str | None = None
 
@@ -70,6 +75,8 @@ class BenchStepsConfig:
             raise ValueError(f"--budget values must be >= 1, got {self.budgets}")
         if not self.max_budgets or any(b < 0 for b in self.max_budgets):
             raise ValueError(f"--max-budget values must be >= 0, got {self.max_budgets}")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
 
 
 def prefetch_coverage(proposer: object) -> float | None:
@@ -108,6 +115,63 @@ def step_runs(config: BenchStepsConfig) -> list[tuple[str, int, tuple[int, int] 
             for budgets in budgets_of(method)]
 
 
+def repeat_order(grid: list, repeat: int) -> list:
+    """The grid's runs in the order of one repeat: forward, then backward (A B B A), so that a host
+    getting slower or faster during the benchmark weighs on every run alike."""
+    return list(grid) if repeat % 2 == 0 else list(reversed(grid))
+
+
+RunKey = tuple[str, int, int | None, int | None]  # (method, threads, budget, max budget)
+
+
+def run_key(run: dict) -> RunKey:
+    return run["method"], run["threads"], run["budget"], run["max_budget"]
+
+
+def _median(runs: Iterable[dict], field: str) -> float:
+    return round(statistics.median(run[field] for run in runs), 3)
+
+
+def summarize_repeats(runs: list[dict], first: RunKey) -> list[dict]:
+    """Per configuration of one trace and batch size, over its repeats: the median of the runs'
+    mean step time with its range, of their median step and time per request, and the median of
+    its mean step time over that of ``first``'s run in the same repeat (a paired ratio)."""
+    by_key: dict[RunKey, dict[int, dict]] = {}
+    for run in runs:
+        by_key.setdefault(run_key(run), {})[run["repeat"]] = run
+    baseline = by_key[first]
+    summary = []
+    for key, repeats in by_key.items():
+        means = [run["step_us_mean"] for run in repeats.values()]
+        ratios = [run["step_us_mean"] / baseline[r]["step_us_mean"] for r, run in repeats.items()
+                  if r in baseline and baseline[r]["step_us_mean"] > 0]
+        some = next(iter(repeats.values()))
+        summary.append({"trace": some["trace"], "method": key[0], "batch": some["batch"], "threads": key[1],
+                        "budget": key[2], "max_budget": key[3], "repeats": len(repeats),
+                        "step_us_mean": round(statistics.median(means), 3), "step_us_mean_min": min(means),
+                        "step_us_mean_max": max(means),
+                        "step_us_median": _median(repeats.values(), "step_us_median"),
+                        "request_us_mean": _median(repeats.values(), "request_us_mean"),
+                        "paired_with": {"method": first[0], "threads": first[1], "budget": first[2],
+                                        "max_budget": first[3]},
+                        "step_mean_ratio": round(statistics.median(ratios), 4) if ratios else None})
+    return summary
+
+
+def repeats_line(entry: dict) -> str:
+    """One configuration's summary over its repeats, as bench-steps prints it."""
+    paired = entry["paired_with"]
+    ratio = entry["step_mean_ratio"]
+    return (f"{os.path.basename(entry['trace']):<28} {entry['method']:<17} B={entry['batch']:<5} "
+            f"T={entry['threads']:<3} "
+            + ("" if entry["budget"] is None else f"budget {entry['budget']:<3} max {entry['max_budget']:<3} ")
+            + f"over {entry['repeats']} repeats: step mean {entry['step_us_mean']:.1f} us (median; "
+            f"{entry['step_us_mean_min']:.1f}-{entry['step_us_mean_max']:.1f}), "
+            f"median {entry['step_us_median']:.1f} us, {entry['request_us_mean']:.1f} us/request"
+            + ("" if ratio is None else f", {ratio:.3f}x {paired['method']} T={paired['threads']}'s mean step "
+                                        "(paired by repeat, median)"))
+
+
 def budget_mean(proposer: object) -> float | None:
     """The mean budget per request the proposer's prefetches ran with (PrefetchConfig.max_budget
     lets it grow), or None for a proposer that did not prefetch in the background."""
@@ -135,7 +199,9 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
               "profile": {"source": profile.source, "model": profile.model.get("name"),
                           "device": profile.device.get("name"), "path": config.profile},
               "k": config.k, "flush_mb": config.flush_mb, "draft_always": config.draft_always,
-              "windows_move": config.windows_move}
+              "windows_move": config.windows_move, "repeats": config.repeats}
+    if config.repeats > 1:
+        result["summary"] = []
     if POOL_METHOD in config.methods:
         result["pool"] = {"shards": config.pool.shards, "sync_wait_ms": config.pool.sync_wait_ms}
 
@@ -153,11 +219,12 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
         # prompt's first finished rollout evicts its oldest epoch's, as in an RL run once every
         # prompt has more epochs than the window keeps (its index is rebuilt, once per epoch).
         history = HistoryConfig(epochs_kept=last) if config.windows_move else HistoryConfig()
+        grid = [entry for entry in step_runs(config) if entry[0] not in skipped]
         for batch in config.batches:
             workload = prepare_workload(trace, last, copies_for(trace, last, 2 * batch))
-            for method, threads, budgets in step_runs(config):
-                if method in skipped:
-                    continue
+            batch_runs: list[dict] = []
+            for repeat, (method, threads, budgets) in ((r, entry) for r in range(config.repeats)
+                                                       for entry in repeat_order(grid, r)):
                 budget, max_budget = budgets or (None, None)
                 prefetch = (PrefetchConfig(budget=budget, max_budget=max_budget) if budgets is not None
                             else PrefetchConfig())
@@ -171,7 +238,7 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                 summary = summarize_steps(records, batch)
                 run = {"trace": trace.path, "method": method, "batch": batch,
                        "threads": threads if method in THREADED else 1, "budget": budget,
-                       "max_budget": max_budget,
+                       "max_budget": max_budget, "repeat": repeat,
                        **{key: round(value, 3) if isinstance(value, float) else value
                           for key, value in asdict(summary).items()},
                        "prefetch_coverage": prefetch_coverage(engine.proposer),
@@ -184,8 +251,10 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                                sync_us_median=pool_stats["pool_sync_us_median"],
                                batch_sync_ms=round(sum(engine.batch_ns) / 1e6, 3))
                 runs.append(run)
+                batch_runs.append(run)
                 write(partial=True)
                 log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} T={run['threads']:<3} "
+                    + ("" if config.repeats == 1 else f"repeat {repeat:<2} ")
                     + ("" if budget is None else f"budget {budget:<3} max {max_budget:<3} ")
                     + f"steps {run['steps']:>5}  "
                     f"step {run['step_us_median']:>9.1f} / {run['step_us_mean']:>9.1f} / {run['step_us_p99']:>9.1f} us "
@@ -194,6 +263,13 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                     + ("" if run["prefetch_coverage"] is None else f"  prefetched {run['prefetch_coverage']:.3f}")
                     + ("" if run["resumed_misses"] is None else f"  misses resumed {run['resumed_misses']:.3f}")
                     + ("" if run["budget_mean"] is None else f"  budget mean {run['budget_mean']:.1f}"))
+            if config.repeats > 1 and batch_runs:
+                first = run_key(next(run for run in batch_runs if run["repeat"] == 0))
+                repeated = summarize_repeats(batch_runs, first)
+                result["summary"].extend(repeated)
+                write(partial=True)
+                for entry in repeated:
+                    log(repeats_line(entry))
     write(partial=False)
     if config.json_out:
         log(f"wrote {config.json_out}")
