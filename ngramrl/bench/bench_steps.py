@@ -148,7 +148,7 @@ def summarize_repeats(runs: list[dict], first: RunKey) -> list[dict]:
         some = next(iter(repeats.values()))
         summary.append({"trace": some["trace"], "method": key[0], "batch": some["batch"], "threads": key[1],
                         "budget": key[2], "max_budget": key[3], "repeats": len(repeats),
-                        "step_us_mean": round(statistics.median(means), 3), "step_us_mean_min": min(means),
+                        "step_us_mean": _median(repeats.values(), "step_us_mean"), "step_us_mean_min": min(means),
                         "step_us_mean_max": max(means),
                         "step_us_median": _median(repeats.values(), "step_us_median"),
                         "request_us_mean": _median(repeats.values(), "request_us_mean"),
@@ -158,13 +158,18 @@ def summarize_repeats(runs: list[dict], first: RunKey) -> list[dict]:
     return summary
 
 
+def run_label(run: dict, repeat: str = "") -> str:
+    """How bench-steps names a run (or a configuration's summary) at the start of its line."""
+    return (f"{os.path.basename(run['trace']):<28} {run['method']:<17} B={run['batch']:<5} T={run['threads']:<3} "
+            + repeat
+            + ("" if run["budget"] is None else f"budget {run['budget']:<3} max {run['max_budget']:<3} "))
+
+
 def repeats_line(entry: dict) -> str:
     """One configuration's summary over its repeats, as bench-steps prints it."""
     paired = entry["paired_with"]
     ratio = entry["step_mean_ratio"]
-    return (f"{os.path.basename(entry['trace']):<28} {entry['method']:<17} B={entry['batch']:<5} "
-            f"T={entry['threads']:<3} "
-            + ("" if entry["budget"] is None else f"budget {entry['budget']:<3} max {entry['max_budget']:<3} ")
+    return (run_label(entry)
             + f"over {entry['repeats']} repeats: step mean {entry['step_us_mean']:.1f} us (median; "
             f"{entry['step_us_mean_min']:.1f}-{entry['step_us_mean_max']:.1f}), "
             f"median {entry['step_us_median']:.1f} us, {entry['request_us_mean']:.1f} us/request"
@@ -253,9 +258,7 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                 runs.append(run)
                 batch_runs.append(run)
                 write(partial=True)
-                log(f"{os.path.basename(trace.path):<28} {method:<17} B={batch:<5} T={run['threads']:<3} "
-                    + ("" if config.repeats == 1 else f"repeat {repeat:<2} ")
-                    + ("" if budget is None else f"budget {budget:<3} max {max_budget:<3} ")
+                log(run_label(run, "" if config.repeats == 1 else f"repeat {repeat:<2} ")
                     + f"steps {run['steps']:>5}  "
                     f"step {run['step_us_median']:>9.1f} / {run['step_us_mean']:>9.1f} / {run['step_us_p99']:>9.1f} us "
                     f"(median/mean/p99)  {run['request_us_mean']:>6.1f} us/request  offpath "
@@ -264,8 +267,7 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
                     + ("" if run["resumed_misses"] is None else f"  misses resumed {run['resumed_misses']:.3f}")
                     + ("" if run["budget_mean"] is None else f"  budget mean {run['budget_mean']:.1f}"))
             if config.repeats > 1 and batch_runs:
-                first = run_key(next(run for run in batch_runs if run["repeat"] == 0))
-                repeated = summarize_repeats(batch_runs, first)
+                repeated = summarize_repeats(batch_runs, run_key(batch_runs[0]))  # the grid's first run
                 result["summary"].extend(repeated)
                 write(partial=True)
                 for entry in repeated:

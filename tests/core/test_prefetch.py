@@ -56,8 +56,6 @@ def plain_rollout(table, prompt, temperature, seed, max_len):
     return out
 
 
-
-
 def until_eos(tokens):
     return tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens
 
