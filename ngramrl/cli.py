@@ -12,6 +12,7 @@ from ngramrl.core.trace import TraceError
 
 def _bench(args: argparse.Namespace) -> int:
     from ngramrl.bench.epochs import format_epochs
+    from ngramrl.bench.machine import machine_facts
     from ngramrl.bench.report import format_sweep, format_table, plot_coverage, plot_tokens_per_forward, write_json
     from ngramrl.bench.run import (
         SWEEP_BUDGETS,
@@ -46,7 +47,7 @@ def _bench(args: argparse.Namespace) -> int:
     if config.regime == "siblings":
         print("regime: siblings (each prompt-epoch's samples concurrent, drafting only from each other)")
     print(format_table(results))
-    extra: dict = {"regime": config.regime}
+    extra: dict = {"regime": config.regime, "machine": machine_facts()}
     if config.by_epoch:
         by_epoch = run_by_epoch(config)
         for path, by_k in by_epoch.items():

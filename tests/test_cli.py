@@ -6,6 +6,7 @@ import pytest
 
 from ngramrl.cli import main
 from ngramrl.config import PrefetchConfig
+from ngramrl.core.extension import native_module
 from ngramrl.core.trace import Rollout, TraceHeader, write_trace
 
 
@@ -28,6 +29,7 @@ def test_bench_writes_contract_json_table_and_plot(tmp_path, capsys):
     assert code == 0
     data = json.loads(out.read_text())
     assert data["ngramrl_bench"] == 1
+    assert data["machine"]["native_core"] == (native_module() is not None) and data["machine"]["usable_cpus"] >= 1
     runs = data["runs"]
     methods = ("ngramrl", "ngramrl-tree", "suffix", "pld", "none", "oracle", "oracle-prompt")
     assert {(r["method"], r["k"]) for r in runs} == {(m, k) for m in methods for k in (16, 8)}
@@ -103,6 +105,11 @@ def test_bench_steps_writes_its_contract_json(tmp_path, capsys):
     assert code == 0
     data = json.loads(out.read_text())
     assert data["ngramrl_bench_steps"] == 1
+    host = data["machine"]
+    assert set(host) == {"cpu", "logical_cpus", "usable_cpus", "native_core", "python", "platform"}
+    assert 1 <= host["usable_cpus"] <= host["logical_cpus"] and host["native_core"] == (native_module() is not None)
+    printed = capsys.readouterr().out
+    assert f"machine: {host['cpu']}, {host['usable_cpus']} of {host['logical_cpus']} logical CPUs usable" in printed
     keys = {"trace", "method", "batch", "threads", "steps", "step_us_median", "step_us_mean", "step_us_p99",
             "request_us_mean", "offpath_us_mean", "tokens_per_forward", "prefetch_coverage", "resumed_misses",
             "budget", "max_budget", "budget_mean", "repeat"}
@@ -132,7 +139,7 @@ def test_bench_steps_writes_its_contract_json(tmp_path, capsys):
             assert resumed in (0.0, None)  # no prefetch walked anything (None: the reference core)
         else:
             assert resumed is None or 0.0 <= resumed <= 1.0
-    assert "ngramrl" in capsys.readouterr().out
+    assert "ngramrl" in printed
     assert data["draft_always"] is False
 
 
@@ -289,6 +296,7 @@ def test_project_writes_its_contract_json_and_says_it_is_a_projection(tmp_path, 
     assert "PROJECTION, not a measurement" in printed
     data = json.loads(out.read_text())
     assert data["ngramrl_project"] == 1 and data["profile"]["source"] == "roofline" and "partial" not in data
+    assert data["machine"]["native_core"] == (native_module() is not None)
     keys = {"trace", "method", "engine_batch", "rollout_seconds", "speedup_vs_none", "tokens_per_forward", "steps",
             "draft_ms_per_step"}
     runs = {(r["method"], r["engine_batch"]): r for r in data["runs"]}

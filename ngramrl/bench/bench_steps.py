@@ -20,6 +20,7 @@ import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
+from ngramrl.bench.machine import machine_facts, machine_line
 from ngramrl.bench.report import print_now
 from ngramrl.bench.steps import (
     POOL_METHOD,
@@ -204,7 +205,8 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
               "profile": {"source": profile.source, "model": profile.model.get("name"),
                           "device": profile.device.get("name"), "path": config.profile},
               "k": config.k, "flush_mb": config.flush_mb, "draft_always": config.draft_always,
-              "windows_move": config.windows_move, "repeats": config.repeats}
+              "windows_move": config.windows_move, "repeats": config.repeats, "machine": machine_facts()}
+    log(machine_line(result["machine"]))
     if config.repeats > 1:
         result["summary"] = []
     if POOL_METHOD in config.methods:

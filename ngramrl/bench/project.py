@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
+from ngramrl.bench.machine import machine_facts, machine_line
 from ngramrl.bench.report import print_now
 from ngramrl.bench.steps import ENGINE_METHODS, build_engine, copies_for, method_available, prepare_workload
 from ngramrl.core.profile import HostOverhead, StepProfile, check_output, load_profile
@@ -100,12 +101,15 @@ def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -
         + (f"; drafting CPU time x {config.cpu_scale:g}" if config.cpu_scale != 1.0 else ""))
     runs, fastest = [], float("inf")
     summary = profile_summary(profile, config.profile, config.cpu_scale)
+    machine = machine_facts()  # where the drafting's CPU time was measured
+    log(machine_line(machine))
 
     def write(partial: bool) -> None:
         # after every run: a projection that is stopped leaves what it finished
         if config.json_out:
             summary["fastest_step_ms"] = round(fastest, 4) if runs else None
-            result = {"ngramrl_project": PROJECT_VERSION, "note": BANNER, "profile": summary, "runs": runs}
+            result = {"ngramrl_project": PROJECT_VERSION, "note": BANNER, "profile": summary, "machine": machine,
+                      "runs": runs}
             if partial:
                 result["partial"] = True
             with open(config.json_out, "w") as handle:
