@@ -12,8 +12,10 @@ fields), ``tree-estimates:`` the same tree grown on the raw estimates instead of
 chances calibrated on the trees verified before; ``longest-match:`` (fields may follow) replays
 the rule the continuation estimate replaced, as the comparison's baseline: follow the most
 frequent continuation of the longest suffix that has one, from the cross-prompt index instead
-when it matches a longer suffix (``LongestMatchDrafter``). The baseline is the default chain and
-the default tree (width 4).
+when it matches a longer suffix (``LongestMatchDrafter``); ``calibrated-path:width=W`` replays the
+chain chosen as the root path of largest expected accepted length in the tree of W paths grown on
+the acceptance chances calibrated on the chains verified before (``path_width`` chooses it on the raw
+estimates). The baseline is the default chain and the default tree (width 4).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ngramrl.config import DrafterConfig
 from ngramrl.core.drafter import Draft, NgramDrafter
 from ngramrl.core.estimate import Source
 from ngramrl.core.trace import read_trace
+from ngramrl.core.tree import choose_path, extend_path, grow_tree
 
 
 class LongestMatchDrafter(NgramDrafter):
@@ -77,10 +80,41 @@ class LongestMatchDrafter(NgramDrafter):
         return Draft(tokens, probs, matched, name)
 
 
+class CalibratedPathMethod(NgramRLMethod):
+    """The chain of ``calibrated-path:``: the root path of largest expected accepted length in the
+    draft tree of ``width`` paths grown on the calibrated acceptance chances, continued greedily."""
+
+    def __init__(self, drafter: DrafterConfig, width: int) -> None:
+        super().__init__(drafter=drafter)
+        self.width = width
+
+    def propose(self, k: int) -> list[int]:
+        assert self.request is not None
+        config = self.drafter.config
+        sources = self.drafter.sources(self.request)
+        draft = Draft([])
+        if sources:
+            tree, node_sources = grow_tree(sources, k, self.width, config.levels, config.min_match,
+                                           config.min_confidence, config.stop_tokens, self.calibration.chance)
+            path = choose_path(tree)
+            if path:
+                tokens, probs = [tree.tokens[i] for i in path], [tree.probs[i] for i in path]
+                if len(tokens) < k and tokens[-1] not in config.stop_tokens:
+                    more, more_probs = extend_path(node_sources[path[-1]], tree.path_probs[path[-1]], k - len(tokens),
+                                                   config.levels, config.min_match, config.min_confidence,
+                                                   config.stop_tokens)
+                    tokens, probs = tokens + more, probs + more_probs
+                draft = Draft(tokens, probs, sources[0][1].matched)
+        self.drafter.absorb(self.request)
+        self.last_draft = draft  # the calibration learns from it (background)
+        self._k = k
+        return draft.tokens
+
+
 def parse_variant(text: str) -> tuple[str, int | None, dict]:
     """'tree:width=8,levels=2' -> ("tree", 8, {"levels": 2}); 'path_width=2' -> ("chain", None, {...});
     'longest-match:' -> ("longest-match", None, {}); 'tree-estimates:width=4' -> ("tree-estimates", 4, {})."""
-    if text.startswith(("tree:", "tree-estimates:", "longest-match:")):
+    if text.startswith(("tree:", "tree-estimates:", "longest-match:", "calibrated-path:")):
         kind, _, rest = text.partition(":")
     else:
         kind, rest = "chain", text
@@ -92,7 +126,7 @@ def parse_variant(text: str) -> tuple[str, int | None, dict]:
         parsed = {"true": True, "false": False}.get(value.lower(), value)
         if isinstance(parsed, str):
             parsed = float(value) if "." in value else int(value)
-        if kind.startswith("tree") and key == "width":
+        if kind.startswith(("tree", "calibrated-path")) and key == "width":
             width = int(parsed)
         elif key in DrafterConfig.__dataclass_fields__:
             fields[key] = parsed
@@ -121,10 +155,12 @@ def main() -> None:
                           if kind.startswith("tree") else NgramRLMethod(drafter=drafter))
                 if kind == "longest-match":
                     method.drafter = LongestMatchDrafter(method.history, drafter)
+                if kind == "calibrated-path":
+                    method = CalibratedPathMethod(drafter, width or 4)
                 value = replay(trace, method, k).tokens_per_forward
                 baseline = "tree" if kind.startswith("tree") else "chain"
                 defaults.setdefault(baseline, value)
-                label = kind + (f" width={width}" if kind.startswith("tree") else "") + "".join(
+                label = kind + (f" width={width}" if width is not None else "") + "".join(
                     f" {key}={field}" for key, field in fields.items())
                 rows.append({"trace": os.path.basename(path), "variant": label, "k": k,
                              "tokens_per_forward": round(value, 4),
