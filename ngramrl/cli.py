@@ -12,7 +12,7 @@ from ngramrl.core.trace import TraceError
 
 def _bench(args: argparse.Namespace) -> int:
     from ngramrl.bench.epochs import format_epochs
-    from ngramrl.bench.machine import machine_facts
+    from ngramrl.bench.machine import machine_facts, machine_line
     from ngramrl.bench.report import format_sweep, format_table, plot_coverage, plot_tokens_per_forward, write_json
     from ngramrl.bench.run import (
         SWEEP_BUDGETS,
@@ -46,8 +46,10 @@ def _bench(args: argparse.Namespace) -> int:
     results = run_bench(config, progress=not args.no_progress)
     if config.regime == "siblings":
         print("regime: siblings (each prompt-epoch's samples concurrent, drafting only from each other)")
+    machine = machine_facts()
+    print(machine_line(machine))
     print(format_table(results))
-    extra: dict = {"regime": config.regime, "machine": machine_facts()}
+    extra: dict = {"regime": config.regime, "machine": machine}
     if config.by_epoch:
         by_epoch = run_by_epoch(config)
         for path, by_k in by_epoch.items():

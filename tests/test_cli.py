@@ -41,6 +41,7 @@ def test_bench_writes_contract_json_table_and_plot(tmp_path, capsys):
         assert ("tree_width" in run) == (run["method"] == "ngramrl-tree")
     table = capsys.readouterr().out
     assert "ngramrl" in table and "x suffix" in table
+    assert table.startswith(f"machine: {data['machine']['cpu']}")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

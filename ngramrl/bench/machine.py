@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import platform
 
+from ngramrl.core.extension import native_module
+
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The CPU's model name (Linux's /proc/cpuinfo), else what ``platform`` knows, else ''."""
@@ -34,8 +36,6 @@ def usable_cpus() -> int:
 def machine_facts() -> dict:
     """The machine, for a benchmark's JSON: ``cpu``, ``logical_cpus``, ``usable_cpus``,
     ``native_core`` (whether the compiled core ran, or the Python reference), ``python``, ``platform``."""
-    from ngramrl.core.extension import native_module
-
     return {"cpu": cpu_model(), "logical_cpus": os.cpu_count() or 1, "usable_cpus": usable_cpus(),
             "native_core": native_module() is not None, "python": platform.python_version(),
             "platform": platform.platform()}
