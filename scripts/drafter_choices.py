@@ -31,7 +31,7 @@ from ngramrl.config import DrafterConfig
 from ngramrl.core.drafter import Draft, NgramDrafter
 from ngramrl.core.estimate import Source
 from ngramrl.core.trace import read_trace
-from ngramrl.core.tree import choose_path, extend_path, grow_tree
+from ngramrl.core.tree import path_chain
 
 
 class LongestMatchDrafter(NgramDrafter):
@@ -94,17 +94,9 @@ class CalibratedPathMethod(NgramRLMethod):
         sources = self.drafter.sources(self.request)
         draft = Draft([])
         if sources:
-            tree, node_sources = grow_tree(sources, k, self.width, config.levels, config.min_match,
-                                           config.min_confidence, config.stop_tokens, self.calibration.chance)
-            path = choose_path(tree)
-            if path:
-                tokens, probs = [tree.tokens[i] for i in path], [tree.probs[i] for i in path]
-                if len(tokens) < k and tokens[-1] not in config.stop_tokens:
-                    more, more_probs = extend_path(node_sources[path[-1]], tree.path_probs[path[-1]], k - len(tokens),
-                                                   config.levels, config.min_match, config.min_confidence,
-                                                   config.stop_tokens)
-                    tokens, probs = tokens + more, probs + more_probs
-                draft = Draft(tokens, probs, sources[0][1].matched)
+            tokens, probs = path_chain(sources, k, self.width, config.levels, config.min_match, config.min_confidence,
+                                       config.stop_tokens, self.calibration.chance)
+            draft = Draft(tokens, probs, sources[0][1].matched)
         self.drafter.absorb(self.request)
         self.last_draft = draft  # the calibration learns from it (background)
         self._k = k

@@ -106,11 +106,13 @@ def test_bench_steps_writes_its_contract_json(tmp_path, capsys):
     assert code == 0
     data = json.loads(out.read_text())
     assert data["ngramrl_bench_steps"] == 1
-    host = data["machine"]
-    assert set(host) == {"cpu", "logical_cpus", "usable_cpus", "native_core", "python", "platform"}
-    assert 1 <= host["usable_cpus"] <= host["logical_cpus"] and host["native_core"] == (native_module() is not None)
+    machine = data["machine"]
+    assert set(machine) == {"cpu", "logical_cpus", "usable_cpus", "native_core", "python", "platform"}
+    assert 1 <= machine["usable_cpus"] <= machine["logical_cpus"]
+    assert machine["native_core"] == (native_module() is not None)
     printed = capsys.readouterr().out
-    assert f"machine: {host['cpu']}, {host['usable_cpus']} of {host['logical_cpus']} logical CPUs usable" in printed
+    assert (f"machine: {machine['cpu']}, {machine['usable_cpus']} of {machine['logical_cpus']} logical CPUs usable"
+            in printed)
     keys = {"trace", "method", "batch", "threads", "steps", "step_us_median", "step_us_mean", "step_us_p99",
             "request_us_mean", "offpath_us_mean", "tokens_per_forward", "prefetch_coverage", "resumed_misses",
             "budget", "max_budget", "budget_mean", "repeat"}

@@ -30,7 +30,7 @@ from ngramrl.config import DrafterConfig
 from ngramrl.core.automaton import SuffixAutomaton
 from ngramrl.core.estimate import MatchState, Source, advance
 from ngramrl.core.history import RolloutHistory, token_ids
-from ngramrl.core.tree import Chance, DraftTree, choose_path, extend_path, grow_tree
+from ngramrl.core.tree import Chance, DraftTree, extend_path, grow_tree, path_chain
 
 
 @dataclass
@@ -295,19 +295,10 @@ class NgramDrafter:
                                         config.stop_tokens)
             source = self._source_of(sources, tokens[0]) if tokens else "none"
             return Draft(tokens, probs, sources[0][1].matched, source)
-        tree, node_sources = grow_tree(sources, k, config.path_width, config.levels, config.min_match,
-                                       config.min_confidence, config.stop_tokens)
-        path = choose_path(tree)
-        if not path:
+        tokens, probs = path_chain(sources, k, config.path_width, config.levels, config.min_match,
+                                   config.min_confidence, config.stop_tokens)
+        if not tokens:
             return Draft([], matched=sources[0][1].matched)
-        tokens = [tree.tokens[i] for i in path]
-        probs = [tree.probs[i] for i in path]
-        if len(tokens) < k and tokens[-1] not in config.stop_tokens:
-            more, more_probs = extend_path(node_sources[path[-1]], tree.path_probs[path[-1]], k - len(tokens),
-                                           config.levels, config.min_match, config.min_confidence,
-                                           config.stop_tokens)
-            tokens += more
-            probs += more_probs
         return Draft(tokens, probs, sources[0][1].matched, self._source_of(sources, tokens[0]))
 
     def _source_of(self, sources: list[Source], token: int) -> str:

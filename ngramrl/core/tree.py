@@ -175,4 +175,24 @@ def extend_path(at: list[Source], path_prob: float, room: int, levels: int, min_
     return tokens, probs
 
 
-__all__ = ["DraftTree", "ROOT_NODE", "choose_path", "extend_path", "grow_tree"]
+def path_chain(sources: list[Source], k: int, width: int, levels: int, min_length: int = 1, floor: float = 0.0,
+               stops: Collection[int] = (), chance: Chance | None = None) -> tuple[list[int], list[float]]:
+    """The chain of at most ``k`` tokens chosen by expected accepted length: the best root path
+    (``choose_path``) of the tree of ``k`` nodes and ``width`` paths (``grow_tree``, ``chance`` as
+    there), continued with the likeliest token at each step (``extend_path``, not after a stop
+    token). Returns the tokens and their estimates."""
+    tree, node_sources = grow_tree(sources, k, width, levels, min_length, floor, stops, chance)
+    path = choose_path(tree)
+    if not path:
+        return [], []
+    tokens = [tree.tokens[i] for i in path]
+    probs = [tree.probs[i] for i in path]
+    if len(tokens) < k and tokens[-1] not in stops:
+        more, more_probs = extend_path(node_sources[path[-1]], tree.path_probs[path[-1]], k - len(tokens), levels,
+                                       min_length, floor, stops)
+        tokens += more
+        probs += more_probs
+    return tokens, probs
+
+
+__all__ = ["DraftTree", "ROOT_NODE", "choose_path", "extend_path", "grow_tree", "path_chain"]
