@@ -25,6 +25,18 @@ def test_cluster_script_rejects_an_unknown_role():
     assert result.returncode == 2 and "unknown role sideways" in result.stderr
 
 
+def test_install_stops_before_anything_when_the_disk_is_too_small(tmp_path):
+    venv = tmp_path / "deep" / "venv"
+    # No package index: were the check to let the install through, pip fails at once instead of downloading.
+    env = dict(os.environ, VENV=str(venv), MIN_FREE_GB="1e9", PYTHON=sys.executable, PIP_NO_INDEX="1")
+    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "install.sh")], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert result.returncode != 0
+    assert "not enough disk space, nothing installed" in result.stderr
+    assert f"the new venv {venv}" in result.stderr and f"at {tmp_path}" in result.stderr
+    assert not venv.exists()
+
+
 def test_cpu_launch_script_runs(tmp_path):
     pytest.importorskip("ray")
     pytest.importorskip("deepspeed")
