@@ -1022,6 +1022,9 @@ private:
     bool cache_valid_ = false;  // the last prefetch's, not used by a step yet
     uint64_t prefetches_ = 0;   // prefetches run (the generation of Walked states)
     double last_cut_ = 0.0;     // the last prefetch's cut (outcome.budget_cut)
+    // A batch-budget prefetch's outcomes per row before and after the allocation: kept from one
+    // prefetch to the next (one runs at a time) so that the rows' lists keep their memory.
+    std::vector<std::vector<OutcomeOut>> plan_candidates_, plan_chosen_;
     // A prefetch's span: when it was called and its work ended, its outcomes chosen (-1: cancelled
     // in the planning) and looked up; written by its job (jobs run in order), read after a join.
     struct Span {
@@ -1636,7 +1639,8 @@ private:
             }
         } else {
             // A budget across the batch: every row's outcomes first, then the allocation, then lookups.
-            std::vector<std::vector<OutcomeOut>> candidates(rows.size());
+            std::vector<std::vector<OutcomeOut>>& candidates = plan_candidates_;
+            candidates.resize(rows.size());  // allocate reads every row given
             std::vector<int64_t> keys(rows.size());
             std::atomic<bool> cancelled{false};
             const int64_t t0 = now_ns();
@@ -1661,7 +1665,7 @@ private:
                 span_.chosen = -1;
                 return;
             }
-            std::vector<std::vector<OutcomeOut>> chosen;
+            std::vector<std::vector<OutcomeOut>>& chosen = plan_chosen_;
             allocate(candidates, keys, alloc, chosen);
             last_cut_ = budget_cut(chosen, alloc.global_budget);
             const int64_t t1 = now_ns();

@@ -21,6 +21,23 @@ namespace ngramrl {
 
 enum Source : int8_t { SOURCE_NONE = 0, SOURCE_PROMPT = 1, SOURCE_GLOBAL = 2 };
 
+// std::stable_sort for the short lists of the planner's hot loop: libstdc++'s takes a temporary
+// buffer from the heap on every call, however short the list; an insertion sort (stable too)
+// needs none, and the few long lists still go to std::stable_sort.
+template <typename It, typename Less>
+inline void stable_sort_short(It first, It last, Less less) {
+    if (last - first > 32) {
+        std::stable_sort(first, last, less);
+        return;
+    }
+    for (It i = first + (first != last); i < last; ++i) {
+        auto value = std::move(*i);
+        It j = i;
+        for (; j != first && less(value, *(j - 1)); --j) *j = std::move(*(j - 1));
+        *j = std::move(value);
+    }
+}
+
 struct DraftOut {
     std::vector<int32_t> tokens;
     std::vector<double> probs;
@@ -166,7 +183,7 @@ public:
         }
         for (const auto& pt : estimates_)
             if (pt.first > floor) out.push_back(pt);
-        std::stable_sort(out.begin(), out.end(),
+        stable_sort_short(out.begin(), out.end(),
                          [](const std::pair<double, int32_t>& x, const std::pair<double, int32_t>& y) {
                              return x.first > y.first;
                          });
@@ -770,7 +787,7 @@ private:
         row.order.resize(q.k + 1);
         for (int32_t j = 0; j <= q.k; ++j) row.order[j] = j;
         const std::vector<double>& p = row.p_accepted;
-        std::stable_sort(row.order.begin(), row.order.end(), [&p](int32_t x, int32_t y) { return p[x] > p[y]; });
+        stable_sort_short(row.order.begin(), row.order.end(), [&p](int32_t x, int32_t y) { return p[x] > p[y]; });
         for (size_t s = 0; s < q.num_sources; ++s) row.chains[s].push_back(q.sources[s].match);
     }
 
