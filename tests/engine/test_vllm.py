@@ -20,9 +20,10 @@ PROMPTS = {f"p{i}": [1, 5 + i, 9, 12 + i, 30 + i] for i in range(4)}
 # forced on, the prefetch path is exercised too).
 WHOLE_DRAFTS = {"engine": {"adaptive_length": False, "prefetch": "on"}}
 # Runs whose greedy outputs are compared with and without drafting: in float32. In bfloat16 the
-# tiny model's top two logits tie exactly at some greedy positions (2 of 160 over these prompts), and
-# a verification forward of several tokens rounds differently from one-token steps, so the argmax of
-# a tie can go either way; in float32 the smallest relative gap there is 8e-5, far above rounding.
+# tiny model's top two logits tie exactly at some greedy positions (2 of 160 over these prompts in
+# transformers' bf16 forward), and a verification forward of several tokens rounds differently from
+# one-token steps, so the argmax of a tie can go either way; in float32 the smallest relative gap
+# there is 8e-5, far above rounding.
 GREEDY_EXACT = {"dtype": "float32"}
 
 
