@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 
 from ngramrl.bench.methods import NgramRLMethod, NgramRLTreeMethod
 from ngramrl.bench.replay import replay
@@ -30,6 +31,7 @@ from ngramrl.bench.run import drafter_for
 from ngramrl.config import DrafterConfig
 from ngramrl.core.drafter import Draft, NgramDrafter
 from ngramrl.core.estimate import Source
+from ngramrl.core.history import RolloutHistory
 from ngramrl.core.trace import read_trace
 from ngramrl.core.tree import path_chain
 
@@ -80,27 +82,24 @@ class LongestMatchDrafter(NgramDrafter):
         return Draft(tokens, probs, matched, name)
 
 
-class CalibratedPathMethod(NgramRLMethod):
-    """The chain of ``calibrated-path:``: the root path of largest expected accepted length in the
-    draft tree of ``width`` paths grown on the calibrated acceptance chances, continued greedily."""
+class CalibratedPathDrafter(NgramDrafter):
+    """The chain of ``calibrated-path:``: ``NgramDrafter.chain``'s choice for ``path_width`` W > 1
+    (``path_chain``) made in a tree grown on the acceptance chances ``chance`` instead of the raw
+    estimates."""
 
-    def __init__(self, drafter: DrafterConfig, width: int) -> None:
-        super().__init__(drafter=drafter)
+    def __init__(self, history: RolloutHistory, config: DrafterConfig, width: int,
+                 chance: Callable[[int, float], float]) -> None:
+        super().__init__(history, config)
         self.width = width
+        self.chance = chance
 
-    def propose(self, k: int) -> list[int]:
-        assert self.request is not None
-        config = self.drafter.config
-        sources = self.drafter.sources(self.request)
-        draft = Draft([])
-        if sources:
-            tokens, probs = path_chain(sources, k, self.width, config.levels, config.min_match, config.min_confidence,
-                                       config.stop_tokens, self.calibration.chance)
-            draft = Draft(tokens, probs, sources[0][1].matched)
-        self.drafter.absorb(self.request)
-        self.last_draft = draft  # the calibration learns from it (background)
-        self._k = k
-        return draft.tokens
+    def chain(self, sources: list[Source], k: int) -> Draft:
+        config = self.config
+        tokens, probs = path_chain(sources, k, self.width, config.levels, config.min_match, config.min_confidence,
+                                   config.stop_tokens, self.chance)
+        if not tokens:
+            return Draft([], matched=sources[0][1].matched)
+        return Draft(tokens, probs, sources[0][1].matched, self._source_of(sources, tokens[0]))
 
 
 def parse_variant(text: str) -> tuple[str, int | None, dict]:
@@ -147,8 +146,9 @@ def main() -> None:
                           if kind.startswith("tree") else NgramRLMethod(drafter=drafter))
                 if kind == "longest-match":
                     method.drafter = LongestMatchDrafter(method.history, drafter)
-                if kind == "calibrated-path":
-                    method = CalibratedPathMethod(drafter, width or 4)
+                if kind == "calibrated-path":  # the chances its verified chains calibrate
+                    method.drafter = CalibratedPathDrafter(method.history, drafter, width or 4,
+                                                           method.calibration.chance)
                 value = replay(trace, method, k).tokens_per_forward
                 baseline = "tree" if kind.startswith("tree") else "chain"
                 defaults.setdefault(baseline, value)
