@@ -30,7 +30,8 @@ inline void stable_sort_short(It first, It last, Less less) {
         std::stable_sort(first, last, less);
         return;
     }
-    for (It i = first + (first != last); i < last; ++i) {
+    if (first == last) return;
+    for (It i = first + 1; i != last; ++i) {
         auto value = std::move(*i);
         It j = i;
         for (; j != first && less(value, *(j - 1)); --j) *j = std::move(*(j - 1));
