@@ -162,7 +162,9 @@ class EngineConfig:
     explore_every: int = 16            # while drafting is off, every n-th step verifies a few tokens (cost probe),
     explore_max_every: int = 256       # ... the interval doubling after each probe that finds it still does not pay
     min_gain: float = 0.1              # drafts must raise the expected throughput by this much (estimates err)
-    draft_threads: int = 1             # threads the batched drafting core spreads a step's rows over
+    draft_threads: int | str = "auto"  # threads the batched drafting core spreads a step's rows over, or
+    #                                    "auto": the CPU cores an engine's share of the host leaves (engine.
+    #                                    vllm_proposer.draft_thread_count: up to 8 on an accelerator, 1 on a CPU)
     prefetch: str | bool = "auto"      # look up likely next drafts while the forward runs: "on", "off", or
     #                                    "auto": on where the forward leaves CPU cores idle (an accelerator,
     #                                    or spare cores); off where it runs on every core (it would slow it)
@@ -177,8 +179,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.cost_decay must be in (0, 1], got {self.cost_decay}")
         if self.min_gain < 0:
             raise ValueError(f"EngineConfig.min_gain must be >= 0, got {self.min_gain}")
-        if self.draft_threads < 1:
-            raise ValueError(f"EngineConfig.draft_threads must be >= 1, got {self.draft_threads}")
+        if self.draft_threads != "auto" and (isinstance(self.draft_threads, str) or self.draft_threads < 1):
+            raise ValueError(f"EngineConfig.draft_threads must be an integer >= 1 or \"auto\", "
+                             f"got {self.draft_threads!r}")
         if self.explore_every < 1:
             raise ValueError(f"EngineConfig.explore_every must be >= 1, got {self.explore_every}")
         if self.explore_max_every < self.explore_every:

@@ -39,7 +39,7 @@ otherwise it looks up again, so a prefetched draft is always the synchronous one
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -129,13 +129,15 @@ class ReferenceCore:
     native = False
 
     def __init__(self, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
-                 prefetch: PrefetchConfig | None = None, threads: int = 1, follow: bool = False) -> None:
+                 prefetch: PrefetchConfig | None = None, threads: int = 1, follow: bool = False,
+                 cores: Collection[int] = ()) -> None:
         self.history = RolloutHistory(history)
         self.drafter = NgramDrafter(self.history, drafter)
         self.prefetch_config = prefetch or PrefetchConfig()
         self.calibration = AcceptanceCalibration(self.prefetch_config.prior_strength,
                                                  self.prefetch_config.calibration_decay)
         self.threads = threads
+        self.cores = frozenset(cores)  # nothing runs beside the caller here: kept for the interface
         # With ``follow``, every draft made calibrates acceptance by following the committed tokens.
         self.follower = DraftFollower(self.calibration) if follow else None
         self._requests: list[RequestState | None] = []
@@ -501,15 +503,16 @@ def _listed(values: Any) -> Any:
 
 def make_core(history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
               prefetch: PrefetchConfig | None = None, threads: int = 1, native: bool | None = None,
-              follow: bool = False) -> DraftingCore:
+              follow: bool = False, cores: Collection[int] = ()) -> DraftingCore:
     """The drafting core: native when available (``native=None``), or the one asked for. ``follow``:
-    it calibrates acceptance from every draft it makes by following the committed tokens."""
+    it calibrates acceptance from every draft it makes by following the committed tokens.
+    ``cores``: the CPU ids its worker threads run on (empty: wherever the process may)."""
     if native is False:
-        return ReferenceCore(history, drafter, prefetch, threads, follow)
+        return ReferenceCore(history, drafter, prefetch, threads, follow, cores)
     module = native_module()
     if module is None:
         if native:
             raise RuntimeError("the native drafting core was asked for but ngramrl._native is not built "
                                "(pip install . builds it; see docs/native.md)")
-        return ReferenceCore(history, drafter, prefetch, threads, follow)
-    return NativeCore(module, history, drafter, prefetch, threads, follow)
+        return ReferenceCore(history, drafter, prefetch, threads, follow, cores)
+    return NativeCore(module, history, drafter, prefetch, threads, follow, cores)

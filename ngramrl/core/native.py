@@ -6,7 +6,7 @@ once; the C++ side releases the GIL for the work. See docs/native.md for the lay
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -30,7 +30,8 @@ class NativeCore:
     native = True
 
     def __init__(self, module: Any, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
-                 prefetch: PrefetchConfig | None = None, threads: int = 1, follow: bool = False) -> None:
+                 prefetch: PrefetchConfig | None = None, threads: int = 1, follow: bool = False,
+                 cores: Collection[int] = ()) -> None:
         history = history or HistoryConfig()
         drafter = drafter or DrafterConfig()
         prefetch = prefetch or PrefetchConfig()
@@ -38,6 +39,7 @@ class NativeCore:
             raise ValueError(f"NativeCore threads must be >= 1, got {threads}")
         self.history_config, self.drafter_config, self.prefetch_config = history, drafter, prefetch
         self.threads = threads
+        self.cores = frozenset(int(c) for c in cores)
         limit, shared_budget = _budget_args(prefetch)
         self._core = module.Core(
             rollouts_per_prompt=history.rollouts_per_prompt, epochs_kept=history.epochs_kept,
@@ -50,7 +52,7 @@ class NativeCore:
             shared_budget=shared_budget, plan_floor=prefetch.plan_floor,
             min_probability=prefetch.min_probability, levels=prefetch.levels,
             prior_strength=prefetch.prior_strength, calibration_decay=prefetch.calibration_decay, threads=threads,
-            follow=follow)
+            follow=follow, cores=sorted(self.cores))
 
     # -- history ---------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ Every call takes or returns a whole step's rows as arrays (``StepRows``, ``Draft
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -118,12 +119,12 @@ class CoreSource:
     and its choice of draft lengths read. ``k``: the most draft tokens a step verifies per
     request; ``background``: the step's inserts and the prefetch of the next drafts run during the
     forward; ``budget_grows``: the forward leaves a core idle, so the prefetch's budget follows the
-    time it had (``next_budget``)."""
+    time it had (``next_budget``); ``threads``: the core's threads for a step; ``cores``: where its
+    workers run (the CPU cores the forward leaves idle; empty: anywhere)."""
 
     def __init__(self, config: NgramRLConfig, drafter: DrafterConfig, k: int, background: bool,
-                 budget_grows: bool = False) -> None:
-        self.core = make_core(config.history, drafter, config.prefetch, threads=config.engine.draft_threads,
-                              follow=True)
+                 budget_grows: bool = False, threads: int = 1, cores: Collection[int] = ()) -> None:
+        self.core = make_core(config.history, drafter, config.prefetch, threads=threads, follow=True, cores=cores)
         self.k = k
         self.offloads = background
         self.prefetch = config.prefetch  # the configured budget, the floor of the one in effect

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import statistics
 import time
@@ -163,10 +164,39 @@ def prefetch_plan(mode: str, device_type: str, machine_cores: frozenset[int],
     return (bool(spare) or mode == "on"), spare
 
 
-def _forward_resources(vllm_config: Any) -> tuple[str, frozenset[int], frozenset[int]]:
-    """(device type, the CPU cores this machine gives the engine, the cores the forward runs on).
-    Called in the model runner's thread after vLLM bound it (and its OpenMP threads) to cores."""
-    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu"
+# The most threads "auto" gives an engine's drafting core: on an H200 host's 16 cores, 8 threads
+# took the proposer's step at 1024 requests from 6.8 ms (one) to 3.4 ms (docs/gpu.md).
+MOST_AUTO_DRAFT_THREADS = 8
+
+
+def draft_thread_count(setting: int | str, device_type: str, host_cores: int, accelerators: int) -> int:
+    """The drafting core's threads (``EngineConfig.draft_threads``): ``setting`` where it is a
+    number. ``"auto"``: on an accelerator, the host's cores shared among the engines of its
+    accelerators, one of each share left to vLLM's own threads (its scheduler, the outputs), at
+    most MOST_AUTO_DRAFT_THREADS; on a CPU, 1 (the step's runs stay on the calling thread, the
+    forward's, and the background worker goes to the cores it leaves idle, ``prefetch_plan``)."""
+    if setting != "auto":
+        return int(setting)
+    if device_type == "cpu":
+        return 1
+    share = host_cores // max(1, accelerators)
+    return max(1, min(MOST_AUTO_DRAFT_THREADS, share - 1))
+
+
+@dataclass(frozen=True)
+class EngineResources:
+    """What the engine process has to run on."""
+
+    device_type: str
+    machine: frozenset[int]   # the CPU cores this machine gives the engine (a container's cpuset)
+    forward: frozenset[int]   # the cores the forward runs on (vLLM's binding of the model runner)
+    host_cores: int           # how many of the machine's cores the engine may use at once (a CPU quota)
+    accelerators: int         # the host's accelerators (engines share its cores), at least 1
+
+
+def _forward_resources(vllm_config: Any) -> EngineResources:
+    """Called in the model runner's thread after vLLM bound it (and its OpenMP threads) to cores."""
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu")
     machine = frozenset(range(os.cpu_count() or 1))
     try:
         with open("/sys/fs/cgroup/cpuset.cpus.effective") as handle:  # a container's share of the machine
@@ -174,7 +204,21 @@ def _forward_resources(vllm_config: Any) -> tuple[str, frozenset[int], frozenset
     except (OSError, ValueError):
         pass
     forward = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
-    return str(device), machine, forward
+    host_cores = len(machine)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as handle:  # "QUOTA PERIOD" or "max PERIOD"
+            quota, period = handle.read().split()[:2]
+        if quota != "max":
+            host_cores = max(1, min(host_cores, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    accelerators = 1
+    if device == "cuda":
+        try:  # one entry per GPU the host (or the container) has, whatever CUDA_VISIBLE_DEVICES says
+            accelerators = max(1, len(os.listdir("/proc/driver/nvidia/gpus")))
+        except OSError:
+            pass
+    return EngineResources(device, machine, forward, host_cores, accelerators)
 
 
 def _cpu_list(text: str) -> list[int]:
@@ -272,11 +316,14 @@ class NgramRLProposer:
         # (rows, probe interval) of a batch whose backed-off probes were restarted when it drained:
         # the interval is resumed when a batch that large comes back (the next generate call).
         self._resume: tuple[int, int] | None = None
-        device, machine, forward = _forward_resources(vllm_config)
-        self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch, device, machine, forward)
+        resources = _forward_resources(vllm_config)
+        self.prefetching, self.prefetch_cores = prefetch_plan(self.config.engine.prefetch, resources.device_type,
+                                                              resources.machine, resources.forward)
+        self.draft_threads = draft_thread_count(self.config.engine.draft_threads, resources.device_type,
+                                                resources.host_cores, resources.accelerators)
         # The prefetch's budget grows into the forward's idle time only where a core is idle
         # (prefetch "on" over a CPU forward's own cores would take more of them from it).
-        self.budget_grows = self.prefetching and (device != "cpu" or bool(self.prefetch_cores))
+        self.budget_grows = self.prefetching and (resources.device_type != "cpu" or bool(self.prefetch_cores))
         self.source: DraftSource = self._make_source()
         self.core: Any = self.source.core  # the drafting core, where drafts are made in this process
         # "auto": the step's work goes to the background where that is faster (``OffloadChoice``);
@@ -286,7 +333,8 @@ class NgramRLProposer:
 
     def _make_source(self) -> DraftSource:
         """Where the drafts come from: the drafting core in this process."""
-        return CoreSource(self.config, self.drafter_config, self.k, self.prefetching, self.budget_grows)
+        return CoreSource(self.config, self.drafter_config, self.k, self.prefetching, self.budget_grows,
+                          self.draft_threads, self.prefetch_cores)
 
     def _prefetches_next(self, rows: int) -> bool:
         """Whether next drafts are worth prefetching now: the next step will look them up."""
@@ -618,4 +666,6 @@ class NgramRLProposer:
                                     else None),
                 "draft_us_total": stats.draft_ns_total / 1000, "step_base_s": base,
                 "step_per_request_s": per_request, "step_per_token_s": per_token,
-                "step_per_verify_s": per_verify, "step_knee_tokens": self.cost.knee, **self.source.stats()}
+                "step_per_verify_s": per_verify, "step_knee_tokens": self.cost.knee,
+                "draft_threads": self.draft_threads, "worker_cores": sorted(self.prefetch_cores),
+                **self.source.stats()}

@@ -25,6 +25,12 @@
 #include <numeric>
 #include <stdexcept>
 #include <thread>
+#include <vector>
+
+#ifdef __linux__
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 #include "automaton.hpp"
 #include "cost.hpp"
@@ -47,6 +53,22 @@ inline void cpu_relax() {
 #endif
 }
 
+// Keeps ``thread`` to ``cores`` (CPU ids; empty: wherever the process may run). Linux only; a set
+// the OS refuses (cores outside a container's share) leaves the thread where it was.
+inline void pin_thread(std::thread& thread, const std::vector<int>& cores) {
+#ifdef __linux__
+    if (cores.empty()) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int core : cores)
+        if (core >= 0 && core < CPU_SETSIZE) CPU_SET(core, &set);
+    if (CPU_COUNT(&set) > 0) pthread_setaffinity_np(thread.native_handle(), sizeof(set), &set);
+#else
+    (void)thread;
+    (void)cores;
+#endif
+}
+
 // The core's threads: threads - 1 workers (at least one) that run background jobs (one at a
 // time, in the order submitted, on the first worker) and the tasks of runs (a step's, from the
 // calling thread, with every worker; a background job's, with the other workers, so a core stays
@@ -64,8 +86,13 @@ class Workers {
 public:
     // With one thread the background jobs still get a worker (a forward's worth of time), and
     // runs stay on their calling thread.
-    explicit Workers(int threads) : threads_(std::max(1, threads)) {
-        for (int i = 1; i < std::max(2, threads_); ++i) workers_.emplace_back([this, i] { loop(i == 1); });
+    // ``cores``: where the workers run (empty: anywhere). A thread inherits its creator's cores,
+    // and vLLM binds the thread that creates the core to the forward's.
+    Workers(int threads, const std::vector<int>& cores) : threads_(std::max(1, threads)) {
+        for (int i = 1; i < std::max(2, threads_); ++i) {
+            workers_.emplace_back([this, i] { loop(i == 1); });
+            pin_thread(workers_.back(), cores);  // before the constructor returns: callers may rely on it
+        }
     }
     ~Workers() {
         {
@@ -432,10 +459,10 @@ inline int64_t checked_epoch(int64_t epoch, const std::string& what) {
 class Core {
 public:
     Core(const HistoryConfig& history, const DrafterConfig& drafter, const PrefetchConfig& prefetch,
-         double prior_strength, double calibration_decay, int threads, bool follow)
+         double prior_strength, double calibration_decay, int threads, bool follow, const std::vector<int>& cores)
         : history_(history), config_(drafter), prefetch_(prefetch), follow_(follow),
           calibration_(prior_strength, calibration_decay),
-          workers_(threads) {}
+          workers_(threads, cores) {}
 
     ~Core() { workers_.wait(); }
 
@@ -1734,8 +1761,9 @@ using namespace ngramrl;
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
-    // What ngramrl.core.extension checks for: Core has set_budget (the newest interface change).
-    m.attr("budget_interface") = true;
+    // What ngramrl.core.extension checks for: Core takes the cores of its workers (the newest
+    // interface change).
+    m.attr("worker_cores_interface") = true;
     // xtx and xty are updated in place: an array that would need converting is refused, not copied
     m.def("step_cost_fold", &step_cost_fold, py::arg("xtx").noconvert(), py::arg("xty").noconvert(), py::arg("yty"),
           py::arg("observed"), py::arg("knees"), py::arg("decay"));
@@ -1761,7 +1789,7 @@ PYBIND11_MODULE(_native, m) {
                          bool use_global, int32_t draft_levels, int32_t path_width, std::vector<int32_t> stop_tokens,
                          int32_t budget, int64_t global_budget, int64_t shared_budget, double plan_floor,
                          double min_probability, int32_t levels, double prior_strength, double calibration_decay,
-                         int threads, bool follow) {
+                         int threads, bool follow, std::vector<int> cores) {
                  HistoryConfig h{rollouts_per_prompt, epochs_kept, max_tokens, prompt_tail};
                  DrafterConfig d;
                  d.max_draft = max_draft;
@@ -1777,13 +1805,14 @@ PYBIND11_MODULE(_native, m) {
                  p.shared_budget = shared_budget;
                  p.plan_floor = plan_floor;
                  p.levels = levels;
-                 return std::make_unique<Core>(h, d, p, prior_strength, calibration_decay, threads, follow);
+                 return std::make_unique<Core>(h, d, p, prior_strength, calibration_decay, threads, follow,
+                                               cores);
              }),
              py::arg("rollouts_per_prompt"), py::arg("epochs_kept"), py::arg("max_tokens"), py::arg("prompt_tail"),
              py::arg("max_draft"), py::arg("min_confidence"), py::arg("min_match"), py::arg("rematch_tokens"),
              py::arg("use_global"), py::arg("draft_levels"), py::arg("path_width"), py::arg("stop_tokens"), py::arg("budget"), py::arg("global_budget"),
              py::arg("shared_budget"), py::arg("plan_floor"), py::arg("min_probability"), py::arg("levels"), py::arg("prior_strength"), py::arg("calibration_decay"),
-             py::arg("threads"), py::arg("follow"))
+             py::arg("threads"), py::arg("follow"), py::arg("cores") = std::vector<int>{})
         .def("add_rollout",
              [](Core& c, const std::string& id, py::handle prompt, py::handle output, int64_t epoch) {
                  Tokens p = token_ids(prompt, "prompt"), o = token_ids(output, "output");

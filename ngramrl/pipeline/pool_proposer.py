@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +65,7 @@ class PoolProposer(NgramRLProposer):
             raise RuntimeError(f"{POOL_ENV} is not set: PoolProposer drafts from a Ray drafter pool's history and "
                                "needs its settings (the rollout worker sets them)")
         return PoolSource(PoolSettings.from_json(text), self.config, self.drafter_config, self.k, self.prefetching,
-                          self.budget_grows)
+                          self.budget_grows, self.draft_threads, self.prefetch_cores)
 
 
 @dataclass
@@ -82,8 +83,9 @@ class PoolSource(CoreSource):
     (``DrafterPool.save``); the acceptance calibration is learned here."""
 
     def __init__(self, settings: PoolSettings, config: NgramRLConfig, drafter: DrafterConfig, k: int,
-                 background: bool, budget_grows: bool = False) -> None:
-        super().__init__(config, drafter, k, background, budget_grows)
+                 background: bool, budget_grows: bool = False, threads: int = 1,
+                 cores: Collection[int] = ()) -> None:
+        super().__init__(config, drafter, k, background, budget_grows, threads, cores)
         self.settings = settings
         self.ray = connect_ray(settings)
         from ray.exceptions import RayError

@@ -776,3 +776,36 @@ def test_chains_chosen_from_trees_are_the_same_in_both_cores(path_width):
             assert a == b, (seed, p)
             drafted += len(a)
     assert drafted > 10
+
+
+def thread_cores() -> dict[str, str]:
+    """This process's threads (ids) and the cores each may run on (Linux's Cpus_allowed_list)."""
+    cores = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/status") as status:
+                cores[task] = next(line.split()[1] for line in status if line.startswith("Cpus_allowed_list"))
+        except (OSError, StopIteration):
+            pass  # the thread ended
+    return cores
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two cores to pin a thread to one of them")
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_workers_run_on_the_cores_given_and_the_caller_stays_where_it_was(threads):
+    usable = sorted(os.sched_getaffinity(0))
+    before = thread_cores()
+    core = make_core(threads=threads, cores=[usable[-1]], native=True)
+    workers = {task: cores for task, cores in thread_cores().items() if task not in before}
+    assert len(workers) == max(1, threads - 1)
+    assert set(workers.values()) == {str(usable[-1])}
+    assert os.sched_getaffinity(0) == set(usable)
+    h = core.start("p", [1, 2, 3], [])
+    core.prefetch([h], [4], [0, 1], [0.5], 4)  # the background job runs on a pinned worker
+    core.collect()
+    del core
+    before = thread_cores()
+    core = make_core(threads=2, native=True)  # no cores: wherever the process may run
+    workers = {task: cores for task, cores in thread_cores().items() if task not in before}
+    assert workers and set(workers.values()) == {before[str(os.getpid())]}

