@@ -163,8 +163,8 @@ class EngineConfig:
     explore_max_every: int = 256       # ... the interval doubling after each probe that finds it still does not pay
     min_gain: float = 0.1              # drafts must raise the expected throughput by this much (estimates err)
     draft_threads: int | str = "auto"  # threads the batched drafting core spreads a step's rows over, or
-    #                                    "auto": the CPU cores an engine's share of the host leaves (engine.
-    #                                    vllm_proposer.draft_thread_count: up to 8 on an accelerator, 1 on a CPU)
+    #                                    "auto": an accelerator engine's share of the host's cores less one, at
+    #                                    most 8; 1 on a CPU (engine.vllm_proposer.draft_thread_count)
     prefetch: str | bool = "auto"      # look up likely next drafts while the forward runs: "on", "off", or
     #                                    "auto": on where the forward leaves CPU cores idle (an accelerator,
     #                                    or spare cores); off where it runs on every core (it would slow it)
