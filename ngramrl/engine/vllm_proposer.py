@@ -190,7 +190,7 @@ class EngineResources:
     device_type: str
     machine: frozenset[int]   # the CPU cores this machine gives the engine (a container's cpuset)
     forward: frozenset[int]   # the cores the forward runs on (vLLM's binding of the model runner)
-    host_cores: int           # how many of the machine's cores the engine may use at once (a CPU quota)
+    host_cores: int           # how many cores the engine may use at once (its affinity, a CPU quota)
     accelerators: int         # the host's accelerators (engines share its cores), at least 1
 
 
@@ -204,7 +204,7 @@ def _forward_resources(vllm_config: Any) -> EngineResources:
     except (OSError, ValueError):
         pass
     forward = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
-    host_cores = len(machine)
+    host_cores = len(machine & forward) or len(machine)  # on an accelerator, the process's own affinity
     try:
         with open("/sys/fs/cgroup/cpu.max") as handle:  # "QUOTA PERIOD" or "max PERIOD"
             quota, period = handle.read().split()[:2]
