@@ -802,7 +802,7 @@ def test_the_workers_run_on_the_cores_given_and_the_caller_stays_where_it_was(th
     assert set(workers.values()) == {str(usable[-1])}
     assert os.sched_getaffinity(0) == set(usable)
     h = core.start("p", [1, 2, 3], [])
-    core.prefetch([h], [4], [0, 1], [0.5], 4)  # the background job runs on a pinned worker
+    core.prefetch([h], [4], [0, 1], [0.5], 4)  # a background job on the pinned worker runs to its end
     core.collect()
     del core
     before = thread_cores()

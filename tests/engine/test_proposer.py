@@ -498,7 +498,6 @@ def test_draft_threads_setting_is_checked(threads):
         EngineConfig(draft_threads=threads)
 
 
-
 def test_drafts_go_to_their_batch_rows_and_only_as_far_as_their_tokens_are_valid(monkeypatch):
     """Rows without a prompt id, or without a committed token this step (a chunked prefill), get no
     draft and leave the others' drafts at their own batch positions; a draft token outside the

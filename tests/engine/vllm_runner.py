@@ -101,7 +101,8 @@ def descendant_thread_cores() -> dict[str, list[str]]:
         try:
             if not entry.isdigit() or int(entry) == os.getpid() or not descends(int(entry)):
                 continue
-            name = open(f"/proc/{entry}/comm").read().strip()
+            with open(f"/proc/{entry}/comm") as handle:
+                name = handle.read().strip()
             for task in os.listdir(f"/proc/{entry}/task"):
                 found.setdefault(name, []).append(status(f"/proc/{entry}/task/{task}/status", "Cpus_allowed_list:"))
         except (OSError, StopIteration):
