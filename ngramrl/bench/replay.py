@@ -1,4 +1,4 @@
-"""Replay recorded rollouts through drafting methods (``shared/spec/bench-contract.md``).
+"""Replay recorded rollouts through drafting methods (``docs/bench-contract.md``).
 
 Warm-cache regime: rollouts of epoch 0 only build history; each rollout of epoch e >= 1 is
 replayed with what was known before epoch e started. One step proposes a draft of at most k

@@ -1,4 +1,4 @@
-"""Rollout traces: the version-1 JSON Lines format of ``shared/spec/trace-format.md``.
+"""Rollout traces: the version-1 JSON Lines format of ``docs/trace-format.md``.
 
 A reader validates every line and stops at the first problem with the file, the line and
 what is wrong; it never guesses or skips. A writer sorts by (epoch, prompt_id, sample).
@@ -16,6 +16,7 @@ from typing import Any
 
 TRACE_VERSION = 1
 FINISH_REASONS = ("stop", "length")
+TRACE_EXTENSIONS = (".jsonl.gz", ".jsonl", ".json.gz", ".json", ".gz")  # longest first: the workload is the rest
 
 
 class TraceError(ValueError):
@@ -90,7 +91,10 @@ class Trace:
         if self.header.workload:
             return self.header.workload
         name = os.path.basename(self.path)
-        return name.split(".", 1)[0]
+        for extension in TRACE_EXTENSIONS:  # a name's other dots are its own ("gsm-t0.6")
+            if name.endswith(extension):
+                return name[: -len(extension)]
+        return name
 
     def epochs(self) -> list[int]:
         return sorted({r.epoch for r in self.rollouts})

@@ -1,10 +1,10 @@
 """The training run's configuration: one YAML file, one dataclass tree, checked before Ray starts.
 
-    config = load_config("ray_configs/cpu_default.yaml", overrides=["train.steps=3"])
+    config = load_config("ray_configs/cpu_default.yaml", overrides=["run.steps=3"])
 
 Every section is a dataclass validated in ``__post_init__``; unknown keys, wrong types and bad
-values are reported with the file and the key path (``ray_configs/x.yaml: rollout.samples_per_prompt
-must be >= 2, got 1``).
+values are reported with the file and the key path (``ray_configs/x.yaml: rollout: samples_per_prompt
+must be >= 2 (GRPO compares the samples of a prompt), got 1``).
 """
 
 from __future__ import annotations

@@ -22,11 +22,10 @@ from ngramrl.bench.epochs import EpochSeries, format_epochs, replay_by_epoch
 from ngramrl.bench.run import drafter_for
 from ngramrl.config import DrafterConfig, HistoryConfig
 from ngramrl.core.trace import read_trace
+from ngramrl.pipeline.rundir import REPORT_JSON, REPORT_PNG
 
 logger = logging.getLogger(__name__)
 
-REPORT_PNG = "report.png"
-REPORT_JSON = "report.json"
 REPLAYED = ("ngramrl", "suffix", "pld")
 
 

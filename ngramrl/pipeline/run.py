@@ -48,7 +48,7 @@ class StepRecord:
     tokens_per_forward: float      # committed tokens per target forward (vLLM's counters)
     offered_tokens_per_forward: float  # what whole drafts would have given (the cost model may verify less)
     acceptance: float              # accepted / drafted tokens
-    coverage: float                # next drafts served by the prefetch / drafts verified
+    coverage: float                # lookups whose draft the prefetch had ready / lookups
     drafter_ms_per_step: float     # the proposer's time per engine step
     pool_unsynced_prompts: int     # prompts that drafted from an engine's old copy: their shard was down
     pool_restarts: int

@@ -29,7 +29,9 @@ SUMMARY_FILE = "summary.json"
 TRACE_FILE = "rollouts.jsonl.gz"
 POOL_DIR = "pool"
 WANDB_DIR = "wandb"
-RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TRACE_FILE, POOL_DIR, WANDB_DIR)
+REPORT_PNG = "report.png"
+REPORT_JSON = "report.json"
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TRACE_FILE, POOL_DIR, WANDB_DIR, REPORT_PNG, REPORT_JSON)
 RESUMED_CONFIG = "config-resume-{}.json"
 
 
@@ -130,6 +132,7 @@ def plan_run_dir(config: TrainConfig) -> RunDirPlan:
             raise ConfigError(f"run.output_dir {run.output_dir!r}: {target} is {kind}; the run writes "
                               f"{'a directory' if wants_dir else 'a file'} there")
     found = [name for name in RUN_FILES if os.path.exists(os.path.join(path, name))]
+    found += sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, RESUMED_CONFIG.format("*"))))
     mode = "new"
     if found:
         if run.if_exists == "refuse":

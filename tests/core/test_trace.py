@@ -34,11 +34,14 @@ def test_round_trip_gzip_and_sorting(tmp_path):
         assert json.loads(handle.readline())["ngramrl_trace"] == 1
 
 
-def test_workload_falls_back_to_file_name(tmp_path):
+@pytest.mark.parametrize("name, workload", [("spider-qwen.jsonl", "spider-qwen"),
+                                             ("gsm-smollm2-t0.6.jsonl", "gsm-smollm2-t0.6"),
+                                             ("run.v2", "run.v2")])
+def test_workload_falls_back_to_file_name_without_its_extensions(tmp_path, name, workload):
     header = dict(HEADER)
     del header["workload"]
-    path = write_lines(tmp_path / "spider-qwen.jsonl", [json.dumps(header), rollout_line()])
-    assert read_trace(path).workload == "spider-qwen"
+    path = write_lines(tmp_path / name, [json.dumps(header), rollout_line()])
+    assert read_trace(path).workload == workload
 
 
 @pytest.mark.parametrize(

@@ -40,8 +40,12 @@ def test_an_earlier_run_is_refused_and_left_alone(tmp_path):
 
 def test_overwrite_deletes_the_earlier_runs_files_only(tmp_path):
     out = earlier_run(tmp_path / "run")
-    earlier = plan(out, "run.if_exists=overwrite").prepare()
+    for name in ("report.png", "report.json", "config-resume-1.json"):  # its report, a resumption's config
+        (out / name).write_text("{}")
+    overwrite = plan(out, "run.if_exists=overwrite")
+    earlier = overwrite.prepare()
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert overwrite.config_file() == str(out / "config.json")
     assert earlier.next_step == 0 and earlier.next_epoch == {} and earlier.rollouts == []
 
 
