@@ -21,7 +21,7 @@ from typing import Any
 
 from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
 from ngramrl.engine.rollouts import PromptSpec
-from ngramrl.pipeline.config import TrainConfig, load_reward
+from ngramrl.pipeline.config import ConfigError, TrainConfig, load_reward
 from ngramrl.pipeline.grpo import group_advantages
 from ngramrl.pipeline.metrics import draft_rates, ratio
 from ngramrl.pipeline.pool import DrafterPool
@@ -116,7 +116,10 @@ def _prompt_specs(config: TrainConfig, model_dir: str) -> tuple[list[PromptSpec]
     workload = config.workload
     tasks = load_tasks(workload.name, workload.prompts, seed=workload.seed, spider_dir=workload.spider_dir,
                        task=workload.task, task_settings=workload.task_settings)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.path {config.model.path!r}: cannot load its tokenizer: {err}") from err
     specs, references = [], {}
     for task in tasks:
         ids = tokenizer.apply_chat_template(task.messages, add_generation_prompt=True, tokenize=True)
@@ -150,16 +153,18 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
 
     run, rollout = config.run, config.rollout
     plan = plan_run_dir(config)  # every output checked before anything starts
-    earlier = plan.prepare()
-    output_dir = plan.path
-    with open(plan.config_file(), "w") as handle:
-        json.dump(config.to_dict(), handle, indent=1)
+    # The model, the prompts and the reward load before the run directory is touched: a bad one
+    # must not cost an --overwrite'n run its files, nor leave a config.json that refuses the retry.
     model_dir = resolve_model(config.model.path)
     prompts, extra = _prompt_specs(config, model_dir)
     references, tokenizer = extra["references"], extra["tokenizer"]
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     score_fn = (load_reward(config.workload.reward) if config.workload.reward
                 else functools.partial(reward, config.workload.name))
+    earlier = plan.prepare()
+    output_dir = plan.path
+    with open(plan.config_file(), "w") as handle:
+        json.dump(config.to_dict(), handle, indent=1)
 
     started_ray = False
     if not ray.is_initialized():

@@ -52,13 +52,14 @@ class RunDirPlan:
     path: str                 # absolute output directory
     mode: str                 # "new", "resume" or "overwrite"
     found: list[str]          # the earlier run's files in it
+    earlier: EarlierRun = field(default_factory=EarlierRun)  # what a resumed run takes over, read while planning
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
     def prepare(self) -> EarlierRun:
-        """Make the directory ready: create it, delete an overwritten run's files, or read what a
-        resumed one left (validated: a corrupted trace is reported with its file and line)."""
+        """Make the directory ready: create it, delete an overwritten run's files, or hand over what
+        a resumed one left (read and validated by ``plan_run_dir``)."""
         os.makedirs(self.path, exist_ok=True)
         if self.mode == "overwrite":
             for name in self.found:
@@ -67,9 +68,7 @@ class RunDirPlan:
             for stale in glob.glob(self.file(TRACE_FILE + ".tmp-*")):
                 os.remove(stale)
             return EarlierRun()
-        if self.mode != "resume":
-            return EarlierRun()
-        return read_earlier_run(self.path)
+        return self.earlier
 
     def config_file(self) -> str:
         """Where this run's configuration goes: config.json, or config-resume-N.json when resuming
@@ -149,4 +148,7 @@ def plan_run_dir(config: TrainConfig) -> RunDirPlan:
         snapshots = os.path.expanduser(restore) if restore else os.path.join(path, POOL_DIR)
         if restore or (mode == "resume" and glob.glob(os.path.join(snapshots, "shard-*.json.gz"))):
             check_snapshots(snapshots, config.pool.shards)
-    return RunDirPlan(path, mode, found)
+    # A resumed run's files are read now (a corrupted trace is reported with its file and line),
+    # so `train --check` finds what the run would.
+    earlier = read_earlier_run(path) if mode == "resume" else EarlierRun()
+    return RunDirPlan(path, mode, found, earlier)

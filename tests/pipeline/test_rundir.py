@@ -70,11 +70,15 @@ def test_resume_into_an_empty_directory_is_a_new_run(tmp_path):
     assert resumed.mode == "new" and resumed.prepare().next_step == 0
 
 
-def test_a_damaged_earlier_run_is_reported_before_anything_starts(tmp_path):
+@pytest.mark.parametrize("damaged, content, message", [
+    ("metrics.jsonl", '{"step": 0}\nnot json\n', r"metrics.jsonl:2: not a metrics record"),
+    ("rollouts.jsonl.gz", "garbage", r"rollouts.jsonl.gz"),
+])
+def test_a_damaged_earlier_run_is_reported_by_the_plan_that_check_makes(tmp_path, damaged, content, message):
     out = earlier_run(tmp_path / "run")
-    (out / "metrics.jsonl").write_text('{"step": 0}\nnot json\n')
-    with pytest.raises(ConfigError, match=r"metrics.jsonl:2: not a metrics record"):
-        plan(out, "run.if_exists=resume").prepare()
+    (out / damaged).write_text(content)
+    with pytest.raises((ConfigError, ValueError), match=message):
+        plan(out, "run.if_exists=resume")  # what `ngramrl train --check` runs
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -92,3 +96,19 @@ def test_the_snapshots_a_run_restores_are_checked_before_anything_starts(tmp_pat
     with pytest.raises((SnapshotError, FileNotFoundError), match=message):
         plan(tmp_path / "other", f"pool.restore_from={out / 'pool'}")
     plan(out, "run.if_exists=resume", "rollout.draft=none")  # nothing to restore: not checked
+
+
+def test_a_model_that_does_not_load_costs_an_overwritten_run_nothing(tmp_path, monkeypatch):
+    from ngramrl.pipeline.run import train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = earlier_run(tmp_path / "run")
+    before = sorted(p.name for p in out.iterdir())
+    model = tmp_path / "broken-model"  # a model directory whose tokenizer is missing
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    config = load_config(None, [f"run.output_dir={out}", "run.if_exists=overwrite", f"model.path={model}"])
+    with pytest.raises(ConfigError, match="model.path .*broken-model.*cannot load its tokenizer"):
+        train(config)
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert (out / "config.json").read_text() == "{}"
