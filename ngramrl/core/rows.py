@@ -169,25 +169,38 @@ class CommittedRows:
     accepted: int       # draft tokens the target accepted of what these rows were sent last step
     with_room: int      # rows with ks > 0
     whole: bool         # every row of the batch, in the batch's order (index is 0, 1, 2, ...)
+    num_tokens: np.ndarray  # int64: each row's tokens in the engine with this step's
+    gaps: int = 0       # rows that held more tokens before this step's than when they were last seen
+    gap_tokens: int = 0  # the tokens put before those rows' sampled ones (from ``token_ids``)
 
 
 def committed_rows(sampled: list[list[int]], arrival: np.ndarray, num_tokens: Any, max_model_len: int, k: int,
-                   sent_ranks: np.ndarray, sent_offsets: np.ndarray) -> CommittedRows:
+                   sent_ranks: np.ndarray, sent_offsets: np.ndarray, sent_num_tokens: np.ndarray | None = None,
+                   token_ids: Any = None) -> CommittedRows:
     """A vLLM step's rows as arrays: the rows i with an arrival rank (``arrival[i] >= 0``) and
     sampled tokens (``sampled[i]``, vLLM's token list per row), in arrival order; each row's room
     for a draft, ``min(k, max_model_len - num_tokens[i] - 1)`` (``num_tokens``: vLLM's tokens per
     row before this step's drafts); and the tokens accepted of the drafts sent last step to the
     rows ranked ``sent_ranks`` (rising), row r's ``sent_offsets[r + 1] - sent_offsets[r]`` tokens
     long: a row sent a draft committed its accepted tokens and one token of the target's. One C++
-    pass where the native core is built."""
+    pass where the native core is built.
+
+    Gaps: with ``sent_num_tokens`` (each sent row's ``num_tokens`` then), a row that now holds more
+    tokens before this step's than it did is one whose tokens of some step the proposer never saw
+    (vLLM skips the drafter on a step where any request is within k tokens of ``max_model_len``).
+    With ``token_ids`` (vLLM's ``token_ids_cpu``: row i's tokens), the tokens it missed are put
+    before its sampled ones, so the request's sequence stays whole; ``gaps`` counts those rows."""
     arrival = np.ascontiguousarray(arrival, dtype=np.int64)
     sent_ranks = np.ascontiguousarray(sent_ranks, dtype=np.int64)
     sent_offsets = np.ascontiguousarray(sent_offsets, dtype=np.int64)
+    sent_num_tokens = np.ascontiguousarray(sent_num_tokens if sent_num_tokens is not None else NO_COUNTS,
+                                           dtype=np.int64)
     native = native_module() if isinstance(sampled, list) else None
     if native is not None:
         try:
-            return CommittedRows(*native.committed_rows(sampled, arrival, num_tokens, int(max_model_len), int(k),
-                                                        sent_ranks, sent_offsets))
+            *fields, gaps = native.committed_rows(sampled, arrival, num_tokens, int(max_model_len), int(k),
+                                                  sent_ranks, sent_offsets, sent_num_tokens)
+            return _fill_gaps(CommittedRows(*fields), gaps, token_ids)
         except TypeError:  # rows that are not lists (tuples, arrays): the general path below
             pass
     n = len(arrival)
@@ -201,6 +214,8 @@ def committed_rows(sampled: list[list[int]], arrival: np.ndarray, num_tokens: An
     sent_lengths = np.diff(sent_offsets)
     if np.any(sent_ranks[1:] <= sent_ranks[:-1]):
         raise ValueError("committed_rows: the sent ranks must rise")
+    if len(sent_num_tokens) not in (0, len(sent_ranks)):
+        raise ValueError(f"committed_rows: {len(sent_num_tokens)} sent token counts for {len(sent_ranks)} sent ranks")
     sizes = np.fromiter(map(len, sampled), np.int64, n)
     index = np.flatnonzero((arrival >= 0) & (sizes > 0))
     index = index[np.argsort(arrival[index], kind="stable")]
@@ -211,16 +226,53 @@ def committed_rows(sampled: list[list[int]], arrival: np.ndarray, num_tokens: An
     tokens = np.fromiter(itertools.chain.from_iterable(chosen), np.int64, int(offsets[-1]))
     if len(tokens) and (tokens.min() < np.iinfo(np.int32).min or tokens.max() > np.iinfo(np.int32).max):
         raise ValueError("committed_rows: a token that is not an int32")
-    room = max_model_len - np.asarray(num_tokens[:n], dtype=np.int64)[index] - 1
+    held = np.asarray(num_tokens[:n], dtype=np.int64)[index]
+    room = max_model_len - held - 1
     ks = np.clip(np.minimum(k, room), np.iinfo(np.int32).min, None).astype(np.int32)
     verified = np.zeros(len(index), dtype=np.int64)
+    gaps: list[tuple[int, int, int]] = []
     if len(sent_ranks):
         at = np.minimum(np.searchsorted(sent_ranks, ranks), len(sent_ranks) - 1)
-        verified = np.where(sent_ranks[at] == ranks, sent_lengths[at], 0)
+        seen = sent_ranks[at] == ranks
+        verified = np.where(seen, sent_lengths[at], 0)
+        if len(sent_num_tokens):
+            before = held - np.diff(offsets)
+            gaps = [(r, int(sent_num_tokens[at[r]]), int(before[r]))
+                    for r in np.flatnonzero(seen & (before > sent_num_tokens[at])).tolist()]
     accepted = int((np.diff(offsets)[verified > 0] - 1).sum())
     whole = len(index) == n and bool(np.all(index == np.arange(n)))
-    return CommittedRows(index, ranks, tokens.astype(np.int32), offsets, ks, accepted, int(np.count_nonzero(ks > 0)),
-                         whole)
+    return _fill_gaps(CommittedRows(index, ranks, tokens.astype(np.int32), offsets, ks, accepted,
+                                    int(np.count_nonzero(ks > 0)), whole, held), gaps, token_ids)
+
+
+NO_COUNTS = np.zeros(0, dtype=np.int64)
+
+
+def _fill_gaps(rows: CommittedRows, gaps: list[tuple[int, int, int]], token_ids: Any) -> CommittedRows:
+    """``rows`` with each gap's missed tokens, ``token_ids[index[r], start:end]`` for a gap (r,
+    start, end), put before row r's sampled tokens (``token_ids`` None: counted, not filled)."""
+    if not gaps:
+        return rows
+    rows.gaps = len(gaps)
+    if token_ids is None:
+        return rows
+    sizes = np.diff(rows.offsets)
+    missed = np.zeros(len(sizes), dtype=np.int64)
+    filled = []
+    for r, start, end in gaps:
+        tokens = np.asarray(token_ids[int(rows.index[r]), start:end], dtype=np.int32)
+        if len(tokens) == end - start:  # a buffer shorter than its counts says: nothing to take
+            missed[r] = end - start
+            filled.append((r, tokens))
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes + missed, out=offsets[1:])
+    tokens = np.empty(int(offsets[-1]), dtype=np.int32)
+    # the sampled tokens move past the missed ones of their own row and of every row before it
+    tokens[np.arange(len(rows.tokens)) + np.repeat(np.cumsum(missed), sizes)] = rows.tokens
+    for r, missed_tokens in filled:
+        tokens[offsets[r]:offsets[r] + len(missed_tokens)] = missed_tokens
+    rows.tokens, rows.offsets, rows.gap_tokens = tokens, offsets, int(missed.sum())
+    return rows
 
 
 def batch_ranks(ids: Sequence[Any], known: dict[Any, int], missing: int, last_ids: Sequence[Any] = (),

@@ -23,6 +23,13 @@ without a word. The patches:
   uniform per drafted position (inverse CDF) instead of exponential noise over the vocabulary.
 - ``plain-without-drafts``: a speculative step in which no request has a draft samples exactly as
   a step without speculation.
+- ``drafts-near-max-len``: vLLM runs no drafter on a step where any request of the batch is within
+  k tokens of ``max_model_len`` (a draft model's own positions must stay inside its length) and
+  sends every request of the batch no draft then. An ngramrl proposer reads no positions and cuts
+  each request's draft to its room, so it drafts on those steps too: the batch keeps its drafts,
+  and every committed token reaches the history (without the patch the proposer takes the tokens
+  of the steps it missed from the engine's buffer, but a request that ends in them loses its last
+  tokens).
 - ``seeded-chunked-prefill``: on CPUs, a seeded request whose prefill is chunked crashes vLLM
   (``CPU Generator does not use offset``): vLLM rewinds the generator of a prefill chunk's discarded
   sample by a CUDA Philox offset. Here the generator's state is saved before sampling and put back,
@@ -414,6 +421,30 @@ def rewind_discarded_samples_by_state() -> bool:
     return True
 
 
+def draft_near_max_model_len() -> bool:
+    """Let a proposer that cuts its drafts to each request's room (``CUTS_DRAFTS_TO_ROOM``) draft
+    on steps where a request is within k tokens of max_model_len."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = getattr(GPUModelRunner, "_input_fits_in_drafter", None)
+    expect(original is not None, "GPUModelRunner has no _input_fits_in_drafter")
+    if getattr(original, _PATCHED_ATTR, False):
+        return True
+    expect(parameters(original) == ["self", "common_attn_metadata"],
+           f"GPUModelRunner._input_fits_in_drafter takes {parameters(original)}")
+    expect("max_seq_len" in source(original) and "common_attn_metadata is None" in source(original),
+           "GPUModelRunner._input_fits_in_drafter does not check the batch's longest sequence")
+
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        if common_attn_metadata is not None and getattr(getattr(self, "drafter", None), "CUTS_DRAFTS_TO_ROOM", False):
+            return True
+        return original(self, common_attn_metadata)
+
+    setattr(_input_fits_in_drafter, _PATCHED_ATTR, True)
+    GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter
+    return True
+
+
 def bind_proposer_to_runner() -> bool:
     """Wrap the model runner's constructor so an ngramrl proposer learns which runner it serves."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -449,6 +480,7 @@ LEAN_ENV = "NGRAMRL_VLLM_LEAN_NOISE"  # "0" keeps vLLM's recovered-token samplin
 PLAIN_ENV = "NGRAMRL_VLLM_PLAIN_NO_DRAFT"  # "0" keeps vLLM's rejection sampler on steps without drafts
 PLACEHOLDER_ENV = "NGRAMRL_VLLM_PLACEHOLDERS"  # "0" leaves placeholder drafts to vLLM's own kernels
 REWIND_ENV = "NGRAMRL_VLLM_REWIND"  # "0" leaves vLLM's offset rewind of discarded samples
+NEAR_END_ENV = "NGRAMRL_VLLM_DRAFT_NEAR_END"  # "0" leaves vLLM's skipping of the drafter near max_model_len
 
 PATCHES = (
     Patch("bind", bind_proposer_to_runner),
@@ -458,6 +490,7 @@ PATCHES = (
     Patch("recovered-tokens", cheap_recovered_tokens, LEAN_ENV),
     Patch("plain-without-drafts", plain_sampling_without_drafts, PLAIN_ENV),
     Patch("seeded-chunked-prefill", rewind_discarded_samples_by_state, REWIND_ENV),
+    Patch("drafts-near-max-len", draft_near_max_model_len, NEAR_END_ENV),
 )
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.cost import StepCostModel, drafting_pays
-from ngramrl.core.rows import DraftBatch, batch_ranks, committed_rows, recycled_lists
+from ngramrl.core.rows import CommittedRows, DraftBatch, batch_ranks, committed_rows, recycled_lists
 from ngramrl.engine.sources import CoreSource, DraftSource, StepRows
 
 CONFIG_ENV = "NGRAMRL_CONFIG"
@@ -75,6 +75,7 @@ class ProposerStats:
     offloaded_steps: int = 0     # steps whose inserts and prefetch ran in the background (OffloadChoice)
     inline_steps: int = 0        # steps whose inserts ran in the call, a background being there
     row_steps: int = 0           # (request, step) pairs: target forwards spent on requests with a prompt id
+    gap_rows: int = 0            # rows whose tokens of a step without a proposer call were taken from the engine
     committed_tokens: int = 0    # tokens those forwards committed
     accepted_tokens: int = 0     # verified draft tokens the target accepted
     expected_accepted: float = 0.0  # what the calibrated chances expected of them (their sum; the
@@ -258,6 +259,10 @@ class NgramRLProposer:
     (nanoseconds) the time the step-cost model learns from: a simulation's clock makes it learn
     simulated step times."""
 
+    # Each draft is cut to its request's room before max_model_len (``committed_rows``' ks), so
+    # vLLM may call it on steps where a request nears that length (the plugin's drafts-near-max-len).
+    CUTS_DRAFTS_TO_ROOM = True
+
     def __init__(self, vllm_config: Any, config: NgramRLConfig | None = None,
                  clock: Callable[[], int] = time.perf_counter_ns) -> None:
         spec = vllm_config.speculative_config
@@ -287,12 +292,12 @@ class NgramRLProposer:
         self._own_per_row: list[float | None] = [None, None]
         self._lookup_per_row: tuple[float, float] | None = None
         # The last step's rows as arrival ranks (rising) with the offsets of the drafts they were
-        # sent; and a batch's drafting states (the source's: core handles, or the pool's requests)
-        # and its rows' arrival ranks: a steady decode batch is the same from step to step, and
-        # touching each row's objects after a forward has flushed the caches is what per-row code
-        # costs.
+        # sent and their tokens in the engine then; and a batch's drafting states (the source's:
+        # core handles, or the pool's requests) and its rows' arrival ranks: a steady decode batch
+        # is the same from step to step, and touching each row's objects after a forward has
+        # flushed the caches is what per-row code costs.
         self._last_batch: tuple[str, ...] = ()
-        self._sent: tuple[np.ndarray, np.ndarray] = (np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
+        self._sent: tuple[np.ndarray, np.ndarray, np.ndarray] = (NO_RANKS, np.zeros(1, dtype=np.int64), NO_RANKS)
         # vLLM's draft lists, refilled once vLLM lets go of them (a new list per row and step sets
         # off the cycle collector at large batches; ``recycled_lists``).
         self._draft_lists = recycled_lists()
@@ -382,17 +387,20 @@ class NgramRLProposer:
         begin = self.clock()
         req_ids = runner.input_batch.req_ids
         batch = tuple(req_ids[:len(sampled_token_ids)])
-        # The forward that verified our last drafts just ran. Only steady decode steps (the same
-        # requests as last time) say what verifying costs: a step with a new request also ran its
-        # prefill, and the gap before a new generate call is idle time.
-        if self._step_started is not None and batch == self._last_batch:
-            self.cost.observe(len(batch), self._verified_tokens, begin / 1e9 - self._step_started)
-        self._last_batch = batch
         self.source.begin_step()
         touched_ns = self.clock() - begin  # the parts of the call where the last step's choice shows
-        rows, ranks, accepted = self._rows(batch, sampled_token_ids, num_tokens_no_spec)
+        rows, step = self._rows(batch, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        accepted = step.accepted
+        # The forward that verified our last drafts just ran. Only steady decode steps (the same
+        # requests as last time, no step between without a call of ours) say what verifying costs:
+        # a step with a new request also ran its prefill, and the gap before a new generate call
+        # is idle time.
+        if self._step_started is not None and batch == self._last_batch and not step.gaps:
+            self.cost.observe(len(batch), self._verified_tokens, begin / 1e9 - self._step_started)
+        self._last_batch = batch
+        self.stats.gap_rows += step.gaps
         self.stats.row_steps += len(rows)
-        self.stats.committed_tokens += len(rows.tokens)
+        self.stats.committed_tokens += len(rows.tokens) - step.gap_tokens  # those of this step's forward
         self.stats.accepted_tokens += accepted
         self._delivered[0] += accepted
         if len(rows) <= self._quiet_rows // 2:  # a much smaller batch makes verifying cheaper: look again
@@ -428,7 +436,7 @@ class NgramRLProposer:
         verified = len(sent.tokens)  # draft tokens the next forward verifies
         self.stats.cut_tokens += len(made.tokens) - kept
         self.stats.invalid_tokens += kept - verified
-        self._sent = (ranks, sent.offsets)
+        self._sent = (step.ranks, sent.offsets, step.num_tokens)
         self.stats.drafts += len(drafts) - drafts.count([])
         self.stats.drafted_tokens += verified
         self._verified_tokens = verified
@@ -475,20 +483,23 @@ class NgramRLProposer:
             self.stats.inline_steps += 1
         return way
 
-    def _rows(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]],
-              num_tokens_no_spec: Any) -> tuple[StepRows, np.ndarray, int]:
+    def _rows(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]], num_tokens_no_spec: Any,
+              token_ids: Any) -> tuple[StepRows, CommittedRows]:
         """The step's rows that commit tokens for a request with a prompt id, as arrays (one
-        conversion per step, not one object per row), in arrival order; with their arrival ranks,
-        and the draft tokens the target accepted of what they were sent last step."""
+        conversion per step, not one object per row), in arrival order; with the arrays they came
+        from (their arrival ranks, the draft tokens the target accepted of what they were sent last
+        step, and the rows whose tokens of a step this proposer was not called on came from the
+        engine's buffer: vLLM skips the drafter on steps where a request nears max_model_len, and
+        the history stays whole)."""
         states, arrival = self._states(batch, sampled_token_ids)
         step = committed_rows(sampled_token_ids, arrival, num_tokens_no_spec, self.max_model_len, self.k,
-                              *self._sent)
+                              *self._sent, token_ids=token_ids)
         if step.whole:
             requests = states
         else:  # the core's handles are the ranks; the pool's requests are objects
             requests = step.ranks if self.core is not None else [states[i] for i in step.index.tolist()]
         rows = StepRows(step.index, batch, requests, step.tokens, step.offsets, step.ks, step.with_room)
-        return rows, step.ranks, step.accepted
+        return rows, step
 
     def _states(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray]:
         """Each row's drafting state (the core's handles as an array; the pool's requests) and its
@@ -657,7 +668,7 @@ class NgramRLProposer:
         return {"steps": stats.steps, "drafts": stats.drafts, "drafted_tokens": stats.drafted_tokens,
                 "lookup_rows": stats.lookup_rows, "prefetch_hits": stats.prefetch_hits, "cut_tokens": stats.cut_tokens,
                 "invalid_tokens": stats.invalid_tokens,
-                "finished_rollouts": stats.finished_rollouts, "row_steps": stats.row_steps,
+                "finished_rollouts": stats.finished_rollouts, "row_steps": stats.row_steps, "gap_rows": stats.gap_rows,
                 "offloaded_steps": stats.offloaded_steps, "inline_steps": stats.inline_steps,
                 "committed_tokens": stats.committed_tokens, "accepted_tokens": stats.accepted_tokens,
                 "expected_accepted": round(stats.expected_accepted, 2),

@@ -116,11 +116,18 @@ inline py::tuple batch_ranks(const py::handle& ids, const py::dict& known, int64
 }
 
 // ngramrl.core.rows.committed_rows: the rows with an arrival rank (>= 0) and sampled tokens, in
-// arrival order, as (index, ranks, tokens, offsets, ks, accepted, rows with room, in batch order).
-// Row r of the last step (rank sent_ranks[r]) was sent sent_offsets[r + 1] - sent_offsets[r] draft tokens.
+// arrival order, as (index, ranks, tokens, offsets, ks, accepted, rows with room, in batch order,
+// each row's num_tokens, the gaps). Row r of the last step (rank sent_ranks[r]) was sent
+// sent_offsets[r + 1] - sent_offsets[r] draft tokens and had sent_num_tokens[r] tokens then (none
+// given: no gaps looked for); a row now holding more before its sampled tokens is a gap
+// (row, sent_num_tokens, its tokens before this step's).
 inline py::tuple committed_rows(const py::list& sampled, const I64& arrival, const I64& num_tokens, int64_t max_model_len,
-                                int32_t k, const I64& sent_ranks, const I64& sent_offsets) {
+                                int32_t k, const I64& sent_ranks, const I64& sent_offsets, const I64& sent_num_tokens) {
     const int64_t n = arrival.size(), sent = sent_ranks.size();
+    const bool gaps_known = sent_num_tokens.size() == sent && sent > 0;
+    if (sent_num_tokens.size() != 0 && sent_num_tokens.size() != sent)
+        throw py::value_error("committed_rows: " + std::to_string(sent_num_tokens.size()) + " sent token counts for " +
+                              std::to_string(sent) + " sent ranks");
     if (static_cast<int64_t>(PyList_GET_SIZE(sampled.ptr())) != n)
         throw py::value_error("committed_rows: " + std::to_string(PyList_GET_SIZE(sampled.ptr())) +
                               " rows of sampled tokens for " + std::to_string(n) + " arrival ranks");
@@ -148,6 +155,10 @@ inline py::tuple committed_rows(const py::list& sampled, const I64& arrival, con
     const int64_t rows = static_cast<int64_t>(chosen.size());
     py::array_t<int64_t> index(rows), ranks(rows), offsets(rows + 1);
     py::array_t<int32_t> ks(rows);
+    py::array_t<int64_t> row_tokens(rows);
+    py::list gaps;
+    int64_t* held = row_tokens.mutable_data();
+    const int64_t* held_before = gaps_known ? sent_num_tokens.data() : nullptr;
     int64_t* at = index.mutable_data();
     int64_t* rk = ranks.mutable_data();
     int64_t* off = offsets.mutable_data();
@@ -165,14 +176,19 @@ inline py::tuple committed_rows(const py::list& sampled, const I64& arrival, con
         const int64_t left = max_model_len - length[i] - 1;
         room[r] = static_cast<int32_t>(std::max<int64_t>(INT32_MIN, std::min<int64_t>(k, left)));
         with_room += room[r] > 0;
+        held[r] = length[i];
         // Both rank lists rise: one merge. The token after the accepted ones is the target's own.
         while (s < sent && before[s] < rank[i]) ++s;
-        if (s < sent && before[s] == rank[i] && verified[s + 1] > verified[s]) accepted += size - 1;
+        if (s < sent && before[s] == rank[i]) {
+            if (verified[s + 1] > verified[s]) accepted += size - 1;
+            if (held_before != nullptr && length[i] - size > held_before[s])
+                gaps.append(py::make_tuple(r, held_before[s], length[i] - size));
+        }
     }
     py::array_t<int32_t> tokens(off[rows]);
     copy_tokens(sampled, at, rows, off, tokens.mutable_data(), "committed_rows");
     const bool whole = in_order && rows == n;
-    return py::make_tuple(index, ranks, tokens, offsets, ks, accepted, with_room, whole);
+    return py::make_tuple(index, ranks, tokens, offsets, ks, accepted, with_room, whole, row_tokens, gaps);
 }
 
 // Checked row ranges of a flat batch (offsets rising from 0 to the tokens).

@@ -93,6 +93,39 @@ def test_committed_rows_are_the_rows_with_a_prompt_and_tokens_in_arrival_order(n
         committed_rows([[1 << 40]], np.array([0]), [0], 100, 8, none, np.zeros(1, dtype=np.int64))
 
 
+def test_committed_rows_take_the_tokens_of_steps_the_proposer_missed_from_the_engine(native_path):
+    """A row that holds more tokens before this step's than it did at the last call (vLLM called
+    no drafter in between) gets the tokens it missed from the engine's buffer, before its sampled
+    ones; a row seen with as many (or fewer) tokens, or not seen last step, is as sampled."""
+    rng = random.Random(7)
+    for _ in range(30):
+        n = rng.randrange(1, 50)
+        sampled = [[rng.randrange(150_000) for _ in range(rng.randrange(0, 4))] for _ in range(n)]
+        arrival = np.array(rng.sample(range(200), n), dtype=np.int64)
+        num_tokens = np.array([rng.randrange(20, 60) for _ in range(n)], dtype=np.int64)
+        buffer = np.array([[rng.randrange(150_000) for _ in range(64)] for _ in range(n)], dtype=np.int32)
+        seen = sorted(rng.sample(range(n), rng.randrange(0, n + 1)), key=lambda i: arrival[i])
+        then = {i: int(num_tokens[i]) - len(sampled[i]) - rng.choice([0, 0, 1, 3, -1]) for i in seen}
+        sent_ranks = np.array([arrival[i] for i in seen], dtype=np.int64)
+        sent_offsets = np.arange(len(seen) + 1, dtype=np.int64)
+        step = committed_rows(sampled, arrival, num_tokens, 100, 8, sent_ranks, sent_offsets,
+                              np.array([then[i] for i in seen], dtype=np.int64), token_ids=buffer)
+        index = sorted((i for i in range(n) if sampled[i]), key=lambda i: arrival[i])
+        expected, gaps = [], 0
+        for i in index:
+            before = int(num_tokens[i]) - len(sampled[i])
+            missed = buffer[i, then[i]:before].tolist() if i in then and before > then[i] else []
+            gaps += bool(missed)
+            expected.append(missed + sampled[i])
+        assert [step.tokens[step.offsets[r]:step.offsets[r + 1]].tolist() for r in range(len(index))] == expected
+        assert step.gaps == gaps and step.num_tokens.tolist() == [int(num_tokens[i]) for i in index]
+        assert step.gap_tokens == sum(len(tokens) for tokens in expected) - sum(len(sampled[i]) for i in index)
+        counted = committed_rows(sampled, arrival, num_tokens, 100, 8, sent_ranks, sent_offsets,
+                                 np.array([then[i] for i in seen], dtype=np.int64))  # no buffer: counted only
+        assert counted.gaps == gaps and [counted.tokens[counted.offsets[r]:counted.offsets[r + 1]].tolist()
+                                         for r in range(len(index))] == [sampled[i] for i in index]
+
+
 
 
 def test_batch_ranks_look_up_only_the_ids_that_moved_and_name_those_that_left(native_path):

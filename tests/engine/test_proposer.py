@@ -3,6 +3,7 @@ prefetch runs. (The real engine is exercised in test_vllm.py.)"""
 
 import time
 
+import numpy as np
 import pytest
 
 from ngramrl.config import DrafterConfig, EngineConfig, NgramRLConfig, PrefetchConfig
@@ -318,6 +319,36 @@ def test_requests_that_join_together_and_leave_together_each_draft_and_end_as_th
     epochs = {prompt_id: sorted(epoch for epoch, _ in rollouts) for prompt_id, _, rollouts in proposer.core.export()}
     assert epochs == {"p": [0, 1], "q": [0, 2, 3]}
 
+
+
+def test_tokens_of_a_step_vllm_ran_without_the_proposer_enter_the_history_from_the_engine(monkeypatch):
+    """vLLM does not call the drafter on a step where any request is within k tokens of
+    max_model_len; the tokens the requests committed then reach the proposer only through the
+    engine's token buffer. They enter the request's sequence before the next step's own, so the
+    rollout stored is the one generated, and the cost model does not take two forwards for one."""
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), adaptive_length=False,
+                                        drafter=DrafterConfig(use_global=False))
+    observed = []
+    proposer.cost.observe = lambda *args: observed.append(args)
+    proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 102, 103, 104, 105], epoch=0)
+    for req_id in ("a", "b"):
+        runner.add(req_id, "p", [1, 2, 3], epoch=1)
+    buffer = np.zeros((2, 16), dtype=np.int32)
+    buffer[:, :4] = [1, 2, 3, 100]
+    proposer.propose([[100], [100]], np.array([4, 4]), buffer)
+    proposer.propose([[101], [101]], np.array([5, 5]), buffer)  # a steady step: the cost model learns from it
+    assert len(observed) == 1
+    buffer[:, 4] = 101
+    buffer[:, 5:7] = [[102, 103], [102, 9]]  # a step the proposer missed (102), then this one's tokens
+    proposer.propose([[103], [9]], np.array([7, 7]), buffer)
+    assert proposer.stats.gap_rows == 2 and len(observed) == 1
+    assert proposer.stats.committed_tokens == 6  # the tokens of the three forwards it saw
+    for req_id in ("a", "b"):
+        runner.remove(req_id)
+    proposer.propose([], [], None)
+    outputs = [output for prompt_id, _, rollouts in proposer.core.export() if prompt_id == "p"
+               for _, output in rollouts][1:]
+    assert outputs == [[100, 101, 102, 103], [100, 101, 102, 9]]
 
 
 def test_a_request_out_of_the_batch_but_in_the_runner_is_not_finished(monkeypatch):

@@ -178,6 +178,41 @@ def test_evicted_history_decodes_unchanged(tiny_model_dir, tmp_path):
     assert evicting["outputs"] == plain["outputs"]
 
 
+@pytest.mark.parametrize("near_end", ["1", "0"], ids=["drafting-near-max-len", "vllm-skips-the-drafter"])
+def test_requests_that_reach_max_model_len_leave_every_committed_token_in_the_history(tiny_model_dir, tmp_path,
+                                                                                      near_end):
+    """A request that runs to max_model_len beside shorter ones: vLLM runs no drafter on a step
+    where any request is within k tokens of that length. With the plugin's drafts-near-max-len the
+    proposer drafts on those steps too, and each stored rollout is the output generated; without
+    it the steps are skipped, the other requests' tokens of those steps come from the engine's
+    buffer (gap rows), and only the request that ended in them misses its last tokens. Outputs
+    are those without speculation either way."""
+    long_prompt = [1] + [40 + i for i in range(27)]  # 28 tokens: with 36 more it reaches max_model_len 64
+    epochs = []
+    for epoch in range(3):
+        requests = [{"prompt": long_prompt, "prompt_id": "long", "epoch": epoch, "max_tokens": 36}]
+        requests += [{"prompt": PROMPTS[pid], "prompt_id": pid, "epoch": epoch, "max_tokens": 48}
+                     for pid in ("p0", "p1")]
+        epochs.append(requests)
+    spec = {"model": tiny_model_dir, "k": 6, "max_model_len": 64, "epochs": epochs, **GREEDY_EXACT}
+    plain = run(tmp_path, "plain", {**spec, "draft": "none"})
+    drafted = run(tmp_path, f"ngramrl-{near_end}", {**spec, "draft": "ngramrl", "history": True,
+                                                    "ngramrl_config": WHOLE_DRAFTS},
+                  env={"NGRAMRL_VLLM_DRAFT_NEAR_END": near_end})
+    assert drafted["outputs"] == plain["outputs"]
+    assert all(len(outputs[0]) == 36 for outputs in plain["outputs"])  # the long request ran to max_model_len
+    stored, stats = drafted["history"]["rollouts"], drafted["history"]["stats"]
+    generated = plain["outputs"][:2]  # the last epoch's requests are stored at the next generate call
+    for row, pid in enumerate(("long", "p0", "p1")):
+        for kept, outputs in zip(stored[pid][-2:], generated, strict=True):
+            output = outputs[row]
+            if pid == "long" and near_end == "0":  # it ended in steps the proposer did not see
+                assert len(kept) < len(output) and output[:len(kept)] == kept, pid
+            else:  # whole (a last step's accepted drafts may run past max_tokens: vLLM drops those)
+                assert kept[:len(output)] == output, pid
+    assert (stats["gap_rows"] > 0) == (near_end == "0"), stats["gap_rows"]
+
+
 def test_a_new_engine_given_the_exported_state_drafts_from_the_old_history(tiny_model_dir, tmp_path):
     """Two epochs on one engine, then a new engine for the third: given the old proposer's state
     (RolloutEngine.export_state / restore_state over vLLM's RPC) it drafts from the old history at

@@ -76,10 +76,16 @@ def main(spec_path: str, out_path: str) -> None:
     threads = {}
     if spec.get("thread_cores"):
         threads = {"stats": llm.collective_rpc("ngramrl_stats")[0], "processes": descendant_thread_cores()}
+    history = None
+    if spec.get("history"):  # the proposer's counters and the rollouts it stored
+        state = llm.collective_rpc("ngramrl_export_state")[0]
+        history = {"stats": llm.collective_rpc("ngramrl_stats")[0],
+                   "rollouts": {prompt_id: [output for _, output in rollouts]
+                                for prompt_id, _, rollouts in state["history"]}}
     metrics = {m.name: float(m.value) for m in llm.get_metrics()
                if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}
     json.dump({"outputs": results, "metrics": metrics, "restored": restored, "logprobs": logprobs,
-               "drafts": drafts, "threads": threads}, open(out_path, "w"))
+               "drafts": drafts, "threads": threads, "history": history}, open(out_path, "w"))
 
 
 def descendant_thread_cores() -> dict[str, list[str]]:
