@@ -8,6 +8,7 @@ import sys
 
 from ngramrl.config import ENGINE_DTYPES, PrefetchConfig
 from ngramrl.core.trace import TraceError
+from ngramrl.paths import OutputPaths
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -24,7 +25,6 @@ def _bench(args: argparse.Namespace) -> int:
     )
     from ngramrl.bench.siblings import SIBLING_METHODS
     from ngramrl.core.trace import read_trace
-    from ngramrl.paths import OutputPaths
 
     traces = args.traces or builtin_traces()
     if not args.traces:
@@ -36,13 +36,8 @@ def _bench(args: argparse.Namespace) -> int:
                          by_epoch=args.by_epoch, tree_width=args.tree_width)
     outputs = OutputPaths(inputs=traces)  # checked now: a bad path must not cost a replay
     args.json = outputs.file(args.json, "--json")
-    args.plot = outputs.file(args.plot, "--plot")
-    args.coverage_plot = outputs.file(args.coverage_plot, "--coverage-plot")
-    if args.plot or args.coverage_plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError("--plot and --coverage-plot need matplotlib (pip install matplotlib)") from None
+    args.plot = _plot_output(outputs, args.plot, "--plot")
+    args.coverage_plot = _plot_output(outputs, args.coverage_plot, "--coverage-plot")
     results = run_bench(config, progress=not args.no_progress)
     if config.regime == "siblings":
         print("regime: siblings (each prompt-epoch's samples concurrent, drafting only from each other)")
@@ -85,26 +80,59 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot_output(outputs: OutputPaths, path: str | None, what: str) -> str | None:
+    """The file matplotlib's savefig will write for ``path``, checked as an output: savefig takes
+    the format from the extension and adds its default one (PNG) to a name without."""
+    if path is None:
+        return None
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ValueError(f"{what} needs matplotlib (pip install matplotlib)") from None
+    extension = os.path.splitext(path)[1][1:]
+    if not extension:
+        path = f"{path.rstrip('.')}.{FigureCanvasBase.get_default_filetype()}"
+    checked = outputs.file(path, what)
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if extension and extension.lower() not in formats:
+        raise ValueError(f"{what} {path!r}: matplotlib cannot write .{extension} files; end the name with one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
+    return checked
+
+
 def _generate(args: argparse.Namespace) -> int:
     import json
 
     from ngramrl.data.generate import GenerationConfig, generate_trace
-    from ngramrl.data.models import prepare_smollm2
+    from ngramrl.data.models import resolve_model
     from ngramrl.data.workloads import load_tasks
-    from ngramrl.paths import OutputPaths
+    from ngramrl.pipeline.config import BUILTIN_MODELS, check_model_path, check_reasoning_gym_task
 
     args.out = OutputPaths(inputs=[p for p in (args.model, args.spider_dir) if p]).file(args.out, "--out")
+    if args.prompts < 1:
+        raise ValueError(f"--prompts must be >= 1, got {args.prompts}")
     try:
         settings = json.loads(args.task_settings) if args.task_settings else {}
     except ValueError as err:
         raise ValueError(f"--task-settings is not JSON: {err}") from None
-    tasks = load_tasks(args.workload, args.prompts, seed=args.seed, spider_dir=args.spider_dir, task=args.task,
-                       task_settings=settings)
-    model_dir = args.model or prepare_smollm2()
-    config = GenerationConfig(model_dir=model_dir, out_path=args.out, workload=args.workload,
+    if not isinstance(settings, dict):
+        raise ValueError(f"--task-settings must be a JSON object of settings, got {args.task_settings}")
+    model = args.model or BUILTIN_MODELS[0]
+    try:
+        check_model_path(model)
+    except ValueError as err:
+        raise ValueError(f"--model: {err}") from None
+    if args.workload == "reasoning_gym":
+        check_reasoning_gym_task(args.task, settings)
+    # Built now so that its numbers are checked before the tasks and the model load; the model's
+    # directory is known once the model is ready.
+    config = GenerationConfig(model_dir=model, out_path=args.out, workload=args.workload,
                               temperature=args.temperature, top_p=args.top_p, samples=args.samples,
                               epochs=args.epochs, max_tokens=args.max_tokens, batch_size=args.batch_size,
                               seed=args.seed, dtype=args.dtype)
+    tasks = load_tasks(args.workload, args.prompts, seed=args.seed, spider_dir=args.spider_dir, task=args.task,
+                       task_settings=settings)
+    config.model_dir = resolve_model(model)
     path = generate_trace(config, tasks)
     print(f"wrote {path}")
     return 0
@@ -118,8 +146,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume or args.overwrite:
         overrides.append(f"run.if_exists={'resume' if args.resume else 'overwrite'}")
     config = load_config(args.config, overrides)  # rejected here, before Ray starts
-    plan = plan_run_dir(config)                     # and every output path
-    if args.check:
+    if args.check:  # (train plans the run directory first thing too)
+        plan = plan_run_dir(config)
         what = {"new": "a new run", "resume": "resumes the run there",
                 "overwrite": f"deletes the earlier run there ({', '.join(plan.found)})"}[plan.mode]
         print(f"{args.config or '<defaults>'}: ok; run.output_dir {plan.path}: {what}")
@@ -158,12 +186,13 @@ def _profile_gpu(args: argparse.Namespace) -> int:
         HostOverhead,
         RooflineSettings,
         check_output,
+        model_config_path,
         model_shape,
         roofline_profile,
         write_profile,
     )
 
-    check_output(args.out)
+    check_output(args.out, "--out", [p for p in (model_config_path(args.model),) if p])
     shape = model_shape(args.model)
     host = HostOverhead(*args.host_ms) if args.host_ms else HostOverhead()
     if args.roofline:

@@ -1,4 +1,5 @@
 import json
+import os
 import re
 
 import numpy as np
@@ -276,13 +277,82 @@ def test_bench_steps_and_project_check_their_output_before_any_work(tmp_path, ca
     trace = small_trace(tmp_path / "toy.jsonl.gz")
     missing = tmp_path / "no-such-folder" / "out.json"
     assert main(["bench-steps", trace, "--batch", "4", "--json", str(missing)]) == 2
-    assert f"cannot write {missing}" in capsys.readouterr().err
+    assert f"--json '{missing}': the directory" in capsys.readouterr().err
     profile = tmp_path / "p.json"
     assert main(["profile-gpu", "--roofline", "h100", "--model", "qwen3-8b", "--out", str(profile)]) == 0
     assert main(["project", trace, "--profile", str(profile), "--engine-batch", "2", "--json", str(missing)]) == 2
-    assert f"cannot write {missing}" in capsys.readouterr().err
+    assert f"--json '{missing}': the directory" in capsys.readouterr().err
     assert main(["profile-gpu", "--roofline", "tpu", "--out", str(profile)]) == 2
     assert "--roofline 'tpu'" in capsys.readouterr().err
+
+
+def no_steps(monkeypatch):
+    """Fail the test if bench-steps or project starts an engine: the checks must come first."""
+    import ngramrl.bench.bench_steps
+    import ngramrl.bench.project
+
+    def started(*args, **kwargs):
+        raise AssertionError("an engine was built before the inputs and outputs were checked")
+
+    for module in (ngramrl.bench.bench_steps, ngramrl.bench.project):
+        monkeypatch.setattr(module, "build_engine", started)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench-steps", "{trace}", "--batch", "2", "--json", "{trace}"], "--json '{trace}' is also an input"),
+    (["bench-steps", "{trace}", "--batch", "2", "--profile", "{profile}", "--json", "{profile}"],
+     "--json '{profile}' is also an input"),
+    (["project", "{trace}", "--profile", "{profile}", "--engine-batch", "2", "--json", "{profile}"],
+     "--json '{profile}' is also an input"),
+    (["project", "{trace}", "--profile", "{profile}", "--engine-batch", "2", "--json", "{trace}"],
+     "--json '{trace}' is also an input"),
+    (["profile-gpu", "--roofline", "h100", "--model", "{model}", "--out", "{model}/config.json"],
+     "--out '{model}/config.json' is also an input"),
+    (["profile-gpu", "--roofline", "h100", "--model", "{model}/config.json", "--out", "{model}/config.json"],
+     "--out '{model}/config.json' is also an input"),
+    (["bench-steps", "{trace}", "--batch", "2", "--json", "/proc/out.json"], "--json '/proc/out.json': cannot write"),
+])
+def test_bench_steps_project_and_profile_gpu_never_overwrite_an_input(tmp_path, capsys, monkeypatch, args, message):
+    if "/proc/" in message and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    profile = tmp_path / "p.json"
+    assert main(["profile-gpu", "--roofline", "h100", "--model", "tiny", "--out", str(profile)]) == 0
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 512}
+    (model / "config.json").write_text(json.dumps(config))
+    inputs = {path: open(path, "rb").read() for path in (trace, profile, model / "config.json")}
+    no_steps(monkeypatch)
+    fill = lambda text: text.format(trace=trace, profile=profile, model=model)  # noqa: E731
+    assert main([fill(a) for a in args]) == 2
+    assert fill(message) in capsys.readouterr().err
+    assert all(open(path, "rb").read() == content for path, content in inputs.items())  # untouched
+
+
+@pytest.mark.parametrize("command", [["bench-steps", "--batch", "2"], ["project", "--engine-batch", "2"]])
+@pytest.mark.parametrize("held, message", [("header", "nothing to replay: it holds no rollouts"),
+                                           ("epoch 0", "nothing to replay: it holds epoch 0 only")])
+def test_bench_steps_and_project_check_every_trace_before_any_work(tmp_path, capsys, monkeypatch, command, held,
+                                                                   message):
+    good = small_trace(tmp_path / "toy.jsonl.gz")
+    bad = tmp_path / "bad.jsonl"
+    rollouts = [] if held == "header" else [Rollout("a", 0, s, [1, 2], [10, 11, 2], "stop") for s in range(3)]
+    write_trace(str(bad), TraceHeader(vocab_size=100, eos_token_ids=[2]), rollouts)
+    profile = tmp_path / "p.json"
+    assert main(["profile-gpu", "--roofline", "h100", "--model", "tiny", "--out", str(profile)]) == 0
+    no_steps(monkeypatch)  # the good trace, first, must not run before the bad one is refused
+    assert main([command[0], good, str(bad), *command[1:], "--profile", str(profile)]) == 2
+    assert f"{bad}: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("k", ["0", "-1"])
+def test_profile_gpu_roofline_refuses_a_k_below_one_naming_the_flag(tmp_path, capsys, k):
+    out = tmp_path / "p.json"
+    assert main(["profile-gpu", "--roofline", "h100", "--model", "tiny", "--k", k, "--out", str(out)]) == 2
+    assert f"--k must be >= 1, got {k}" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_project_writes_its_contract_json_and_says_it_is_a_projection(tmp_path, capsys):
@@ -385,6 +455,8 @@ def no_replay(monkeypatch):
     (["--coverage-plot", "{tmp}/toy.jsonl.gz"], "is also an input"),
     (["--json", "{tmp}/a.out", "--plot", "{tmp}/a.out"], "--plot '{tmp}/a.out' is also --json"),
     (["--json", "{tmp}/toy.jsonl.gz/x.json"], "is a file, not a directory"),
+    (["--plot", "{tmp}/plot.pngx"], "--plot '{tmp}/plot.pngx': matplotlib cannot write .pngx files"),
+    (["--coverage-plot", "{tmp}/cov.PNGX"], "--coverage-plot '{tmp}/cov.PNGX': matplotlib cannot write .PNGX"),
     (["--k", "100000"], "--k must be between 1 and 256"),
     (["--k", "0"], "--k must be between 1 and 256"),
 ])
@@ -396,6 +468,13 @@ def test_bench_refuses_bad_outputs_and_k_before_replaying(tmp_path, capsys, monk
     assert main(["bench", trace, *map(fill, flags), "--no-progress"]) == 2
     assert fill(message) in capsys.readouterr().err
     assert open(trace, "rb").read() == before  # the input is untouched
+
+
+def test_bench_plot_without_an_extension_is_the_png_savefig_writes_and_says_so(tmp_path, capsys):
+    trace = small_trace(tmp_path / "toy.jsonl")
+    assert main(["bench", trace, "--method", "none", "--plot", str(tmp_path / "plot."), "--no-progress"]) == 0
+    assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+    assert f"wrote {tmp_path / 'plot.png'}" in capsys.readouterr().out
 
 
 def test_bench_rejects_a_duplicated_rollout_naming_its_line(tmp_path, capsys):
@@ -470,6 +549,30 @@ def test_generate_checks_its_output_before_loading_anything(tmp_path, capsys, mo
     assert "--out" in capsys.readouterr().err
     assert main(["generate", "--workload", "gsm", "--model", str(tmp_path), "--out", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompts", "0"], "--prompts must be >= 1, got 0"),
+    (["--prompts", "-3"], "--prompts must be >= 1, got -3"),
+    (["--samples", "0"], "samples and epochs must be >= 1"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--model", "/nonexistent"], "--model: path '/nonexistent' is neither a model directory"),
+    (["--model", "{tmp}"], "--model: path '{tmp}' is a directory but not a model directory"),
+    (["--task-settings", "[1]"], "--task-settings must be a JSON object of settings, got [1]"),
+    (["--workload", "reasoning_gym", "--task", "products", "--task-settings", '{{"min_digitz": 1}}'],
+     "task_settings {{'min_digitz': 1}} do not suit products"),
+    (["--workload", "reasoning_gym"], "task is required for the reasoning_gym workload"),
+])
+def test_generate_checks_its_settings_before_loading_anything(tmp_path, capsys, monkeypatch, args, message):
+    import ngramrl.data.workloads
+
+    if "reasoning_gym" in args:
+        pytest.importorskip("reasoning_gym")
+    monkeypatch.setattr(ngramrl.data.workloads, "load_tasks", lambda *a, **k: pytest.fail("work started"))
+    fill = lambda text: text.format(tmp=tmp_path)  # noqa: E731
+    workload = [] if "--workload" in args else ["--workload", "gsm"]
+    assert main(["generate", *workload, *map(fill, args), "--out", str(tmp_path / "t.jsonl.gz")]) == 2
+    assert fill(message) in capsys.readouterr().err
 
 
 def test_train_names_a_garbage_snapshot_before_anything_starts(tmp_path, capsys):

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 from ngramrl.bench.machine import machine_facts, machine_line
 from ngramrl.bench.report import print_now
+from ngramrl.bench.run import load_traces
 from ngramrl.bench.steps import (
     POOL_METHOD,
     POOL_START_MISSING,
@@ -34,7 +35,6 @@ from ngramrl.bench.steps import (
 )
 from ngramrl.config import EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.profile import MODEL_SHAPES, StepProfile, check_output, load_profile, roofline_profile
-from ngramrl.core.trace import read_trace
 
 BENCH_STEPS_VERSION = 1
 STEP_METHODS = ("ngramrl", "ngramrl-prefetch", "suffix")  # the default
@@ -191,8 +191,9 @@ def default_profile(k: int) -> StepProfile:
 
 
 def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print_now) -> dict:
-    check_output(config.json_out)
-    traces = [read_trace(path) for path in config.traces]  # all validated before any work starts
+    inputs = [*config.traces, *([config.profile] if config.profile else [])]
+    check_output(config.json_out, "--json", inputs)
+    traces = load_traces(config.traces)  # every one read and checked for epochs to replay before any work starts
     profile = load_profile(config.profile) if config.profile else default_profile(config.k)
     skipped = {m: why for m in config.methods if (why := method_available(m))}
     for method, why in skipped.items():
@@ -220,8 +221,6 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
 
     for trace in traces:
         last = max(r.epoch for r in trace.rollouts)
-        if last < 1:
-            raise ValueError(f"{trace.path}: one epoch only; bench-steps needs earlier epochs as history")
         # With windows_move the window keeps the epochs before the replayed one only: each
         # prompt's first finished rollout evicts its oldest epoch's, as in an RL run once every
         # prompt has more epochs than the window keeps (its index is rebuilt, once per epoch).

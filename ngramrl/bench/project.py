@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 
 from ngramrl.bench.machine import machine_facts, machine_line
 from ngramrl.bench.report import print_now
+from ngramrl.bench.run import load_traces
 from ngramrl.bench.steps import ENGINE_METHODS, build_engine, copies_for, method_available, prepare_workload
 from ngramrl.core.profile import HostOverhead, StepProfile, check_output, load_profile
-from ngramrl.core.trace import Trace, read_trace
+from ngramrl.core.trace import Trace
 
 PROJECT_VERSION = 1
 BANNER = "PROJECTION, not a measurement"
@@ -81,12 +82,9 @@ def profile_summary(profile: StepProfile, path: str, cpu_scale: float) -> dict:
 
 
 def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -> dict:
-    check_output(config.json_out)
+    check_output(config.json_out, "--json", [*config.traces, config.profile])
     profile = load_profile(config.profile)
-    traces = [read_trace(path) for path in config.traces]  # all validated before any work starts
-    for trace in traces:
-        if max(r.epoch for r in trace.rollouts) < 1:
-            raise ValueError(f"{trace.path}: one epoch only; a projection replays epochs after the first")
+    traces = load_traces(config.traces)  # every one read and checked for epochs to replay before any work starts
     if config.host is not None:
         profile.host = config.host
     if config.k > profile.k:

@@ -24,11 +24,23 @@ import bisect
 import json
 import math
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ngramrl.paths import OutputPaths
+
 PROFILE_VERSION = 1
 BYTES_BF16 = 2
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    """A finite JSON number (JSON as Python reads it also has NaN and Infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -76,25 +88,58 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * BYTES_BF16
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any], name: str) -> ModelShape:
-        """From a Hugging Face ``config.json`` of a dense decoder (Llama, Qwen2, Qwen3, Mistral, ...)."""
+    def from_hf_config(cls, config: Any, name: str, where: str | None = None) -> ModelShape:
+        """From a Hugging Face ``config.json`` of a dense decoder (Llama, Qwen2, Qwen3, Mistral, ...);
+        its errors name ``where`` (default: ``name``)."""
+        where = where or name
+        if not isinstance(config, dict):
+            raise ValueError(f"{where}: not a model configuration (a JSON object), got {type(config).__name__}")
         text = config.get("text_config", config)
+        if not isinstance(text, dict):
+            raise ValueError(f"{where}: text_config must be a JSON object, got {text!r}")
+        rope = text.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"{where}: rope_parameters must be a JSON object, got {rope!r}")
+        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+            if key not in text:
+                raise ValueError(f"{where}: not a dense decoder configuration, no {key!r}")
+
+        def integer(key: str, default: int | None = None) -> int:
+            value = text.get(key)
+            if value is None and default is not None:  # null in a config means "the default"
+                return default
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+            return value
+
+        def number(key: str, value: Any) -> float:
+            if not _is_real(value) or value <= 0:
+                raise ValueError(f"{where}: {key} must be a number > 0, got {value!r}")
+            return float(value)
+
+        def flag(key: str, default: bool) -> bool:
+            value = text.get(key)
+            if value is None:
+                return default
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: {key} must be true or false, got {value!r}")
+            return value
+
+        heads, hidden = integer("num_attention_heads"), integer("hidden_size")
+        model_type = str(text.get("model_type", ""))
         try:
-            heads = int(text["num_attention_heads"])
-            hidden = int(text["hidden_size"])
-            model_type = str(text.get("model_type", ""))
-            return cls(name=name, layers=int(text["num_hidden_layers"]), hidden=hidden, heads=heads,
-                       kv_heads=int(text.get("num_key_value_heads") or heads),
-                       head_dim=int(text.get("head_dim") or hidden // heads),
-                       intermediate=int(text["intermediate_size"]), vocab=int(text["vocab_size"]),
-                       tied_embeddings=bool(text.get("tie_word_embeddings", False)),
-                       qk_norm=model_type.startswith("qwen3"),
-                       qkv_bias=bool(text.get("attention_bias", model_type == "qwen2")),
-                       rope_theta=float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get(
-                           "rope_theta", 10000.0)),
-                       rms_eps=float(text.get("rms_norm_eps", 1e-6)))
-        except KeyError as err:
-            raise ValueError(f"{name}: not a dense decoder configuration, no {err.args[0]!r}") from None
+            return cls(name=name, layers=integer("num_hidden_layers"), hidden=hidden, heads=heads,
+                       kv_heads=integer("num_key_value_heads", heads), head_dim=integer("head_dim", hidden // heads),
+                       intermediate=integer("intermediate_size"), vocab=integer("vocab_size"),
+                       tied_embeddings=flag("tie_word_embeddings", False), qk_norm=model_type.startswith("qwen3"),
+                       qkv_bias=flag("attention_bias", model_type == "qwen2"),
+                       rope_theta=number("rope_theta", text.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+                       rms_eps=number("rms_norm_eps", 1e-6 if text.get("rms_norm_eps") is None
+                                      else text["rms_norm_eps"]))
+        except ValueError as err:
+            if str(err).startswith(f"{where}:"):
+                raise
+            raise ValueError(f"{where}: {err}") from None
 
 
 MODEL_SHAPES = {shape.name: shape for shape in (
@@ -115,20 +160,36 @@ MODEL_SHAPES = {shape.name: shape for shape in (
 )}
 
 
+def model_config_path(name_or_path: str) -> str | None:
+    """The ``config.json`` that ``model_shape`` reads for ``name_or_path`` (None: a named shape)."""
+    if name_or_path in MODEL_SHAPES:
+        return None
+    return os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
+
+
 def model_shape(name_or_path: str) -> ModelShape:
     """A named shape (``MODEL_SHAPES``) or a Hugging Face ``config.json`` (or a directory holding one)."""
-    if name_or_path in MODEL_SHAPES:
+    path = model_config_path(name_or_path)
+    if path is None:
         return MODEL_SHAPES[name_or_path]
-    path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
     if not os.path.exists(path):
         raise ValueError(f"--model {name_or_path!r}: neither a known shape ({', '.join(MODEL_SHAPES)}) nor a "
                          "config.json")
-    with open(path) as handle:
-        try:
-            config = json.load(handle)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not JSON ({err})") from None
-    return ModelShape.from_hf_config(config, os.path.basename(os.path.dirname(os.path.abspath(path))) or path)
+    config = _read_json(path)
+    return ModelShape.from_hf_config(config, os.path.basename(os.path.dirname(os.path.abspath(path))) or path, path)
+
+
+def _read_json(path: str) -> Any:
+    """A JSON file's content; a ValueError naming the file if it cannot be read or is not JSON."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err})") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: cannot read file (not UTF-8 text: {err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read file ({err.strerror or err})") from None
 
 
 @dataclass(frozen=True)
@@ -319,61 +380,96 @@ class StepProfile:
                 "cost_form": self.cost_form(), "notes": self.notes}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], where: str = "profile") -> StepProfile:
+    def from_json(cls, data: Any, where: str = "profile") -> StepProfile:
         if not isinstance(data, dict) or data.get("ngramrl_step_profile") != PROFILE_VERSION:
             raise ValueError(f"{where}: not an ngramrl step profile (no \"ngramrl_step_profile\": {PROFILE_VERSION})")
+
+        def fail(key: str, expected: str, value: Any) -> ValueError:
+            return ValueError(f"{where}: {key} must be {expected}, got {value!r}")
+
+        def get(obj: dict[str, Any], key: str, inside: str = "") -> Any:
+            if key not in obj:
+                raise ValueError(f"{where}: malformed step profile: no {inside}{key}")
+            return obj[key]
+
+        def number(key: str, value: Any, expected: str, ok: Callable[[float], bool]) -> float:
+            if not _is_real(value) or not ok(value):
+                raise fail(key, expected, value)
+            return float(value)
+
+        source = get(data, "source")
+        for key in ("model", "device"):
+            if not isinstance(get(data, key), dict):
+                raise fail(key, "a JSON object", data[key])
+        k = get(data, "k")
+        if not _is_int(k) or k < 1:
+            raise fail("k", "an integer >= 1", k)
+        grid = get(data, "grid")
+        if not isinstance(grid, dict):
+            raise fail("grid", "a JSON object", grid)
+        axes: dict[str, list[int]] = {}
+        for key in ("batch", "tokens_per_request", "context"):
+            axes[key] = get(grid, key, "grid.")
+            if not isinstance(axes[key], list) or not all(_is_int(v) for v in axes[key]):
+                raise fail(f"grid.{key}", "a list of integers", axes[key])
+        batches, tokens, contexts = axes["batch"], axes["tokens_per_request"], axes["context"]
+        steps = get(data, "steps")
+        if not isinstance(steps, list):
+            raise fail("steps", "a list", steps)
+        table: list[list[list[float | None]]] = [[[None] * len(contexts) for _ in tokens] for _ in batches]
+        measured: list[list[list[bool]]] = [[[False] * len(contexts) for _ in tokens] for _ in batches]
+        for i, entry in enumerate(steps):
+            if not isinstance(entry, dict):
+                raise fail(f"steps[{i}]", "a JSON object", entry)
+            at = []
+            for key, points in axes.items():
+                value = get(entry, key, f"steps[{i}].")
+                if not _is_int(value) or value not in points:
+                    raise ValueError(f"{where}: steps[{i}].{key} {value!r} is not in grid.{key} {points}")
+                at.append(points.index(value))
+            b, t, c = at
+            table[b][t][c] = number(f"steps[{i}].ms", get(entry, "ms", f"steps[{i}]."), "a number > 0",
+                                    lambda v: v > 0)
+            flag = entry.get("measured", False)
+            if not isinstance(flag, bool):
+                raise fail(f"steps[{i}].measured", "true or false", flag)
+            measured[b][t][c] = flag
+        missing = [(batches[b], tokens[t], contexts[c]) for b in range(len(batches)) for t in range(len(tokens))
+                   for c in range(len(contexts)) if table[b][t][c] is None]
+        if missing:
+            raise ValueError(f"{where}: no step time for (batch, tokens per request, context) {missing[0]}"
+                             f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}")
+        host = data.get("host", {})
+        if not isinstance(host, dict) or not set(host) <= {"base_ms", "per_request_ms"}:
+            raise fail("host", "a JSON object of base_ms and per_request_ms", host)
+        host_ms = {key: number(f"host.{key}", value, "a number >= 0", lambda v: v >= 0) for key, value in host.items()}
+        prefill = number("prefill_ms_per_token", data.get("prefill_ms_per_token", 0.0), "a number >= 0",
+                         lambda v: v >= 0)
+        floor = data.get("floor_ms")
+        if floor is not None:
+            floor = number("floor_ms", floor, "a number > 0 or null", lambda v: v > 0)
+        notes = data.get("notes", [])
+        if not isinstance(notes, list) or not all(isinstance(note, str) for note in notes):
+            raise fail("notes", "a list of strings", notes)
         try:
-            grid = data["grid"]
-            batches, tokens, contexts = (list(map(int, grid[key]))
-                                         for key in ("batch", "tokens_per_request", "context"))
-            table: list[list[list[float | None]]] = [[[None] * len(contexts) for _ in tokens] for _ in batches]
-            measured: list[list[list[bool]]] = [[[False] * len(contexts) for _ in tokens] for _ in batches]
-            for entry in data["steps"]:
-                b, t, c = (batches.index(int(entry["batch"])), tokens.index(int(entry["tokens_per_request"])),
-                           contexts.index(int(entry["context"])))
-                table[b][t][c] = float(entry["ms"])
-                measured[b][t][c] = bool(entry.get("measured", False))
-            missing = [(batches[b], tokens[t], contexts[c]) for b in range(len(batches)) for t in range(len(tokens))
-                       for c in range(len(contexts)) if table[b][t][c] is None]
-            if missing:
-                raise ValueError(f"{where}: no step time for (batch, tokens per request, context) {missing[0]}"
-                                 f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}")
-            host = HostOverhead(**data.get("host", {}))
-            return cls(source=data["source"], model=data["model"], device=data["device"], k=int(data["k"]),
-                       batches=batches, tokens=tokens, contexts=contexts, step_ms=table,  # type: ignore[arg-type]
-                       measured=measured if any("measured" in e for e in data["steps"]) else None,
-                       prefill_ms_per_token=float(data.get("prefill_ms_per_token", 0.0)), host=host,
-                       floor_ms=data.get("floor_ms"), notes=list(data.get("notes", [])))
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"{where}: malformed step profile ({type(err).__name__}: {err})") from None
-        except ValueError as err:
-            if str(err).startswith(where):
-                raise
+            return cls(source=source, model=data["model"], device=data["device"], k=k, batches=batches, tokens=tokens,
+                       contexts=contexts, step_ms=table,  # type: ignore[arg-type]
+                       measured=measured if any("measured" in e for e in steps) else None,
+                       prefill_ms_per_token=prefill, host=HostOverhead(**host_ms), floor_ms=floor, notes=notes)
+        except ValueError as err:  # __post_init__'s, which does not know the file
             raise ValueError(f"{where}: {err}") from None
 
 
-def check_output(path: str | None) -> None:
-    """An output path must be writable before any work starts."""
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"cannot write {path}: folder {folder} does not exist")
-    if os.path.isdir(path):
-        raise ValueError(f"cannot write {path}: it is a folder")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"cannot write {path}: permission denied")
+def check_output(path: str | None, what: str = "--out", inputs: Iterable[str] = ()) -> str | None:
+    """An output file checked before any work starts (``ngramrl.paths.OutputPaths``): writable, and
+    none of ``inputs``. Its absolute path (None: not asked for)."""
+    return OutputPaths(inputs=inputs).file(path, what)
 
 
 def load_profile(path: str) -> StepProfile:
     if not os.path.exists(path):
         raise FileNotFoundError(f"profile {path} does not exist")
-    with open(path) as handle:
-        try:
-            data = json.load(handle)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not JSON ({err})") from None
-    return StepProfile.from_json(data, path)
+    return StepProfile.from_json(_read_json(path), path)
 
 
 def write_profile(profile: StepProfile, path: str) -> None:
@@ -386,6 +482,8 @@ def roofline_profile(gpu: str, shape: ModelShape, k: int = 8, settings: Roofline
                      contexts: tuple[int, ...] = DEFAULT_CONTEXTS) -> StepProfile:
     if gpu not in GPU_SPECS:
         raise ValueError(f"--roofline {gpu!r}: choose from {', '.join(GPU_SPECS)}")
+    if k < 1:
+        raise ValueError(f"--k must be >= 1, got {k}")
     spec = GPU_SPECS[gpu]
     settings = settings or RooflineSettings()
     tokens = default_tokens(k)

@@ -10,6 +10,7 @@ import gzip
 import io
 import json
 import os
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,10 +21,11 @@ TRACE_EXTENSIONS = (".jsonl.gz", ".jsonl", ".json.gz", ".json", ".gz")  # longes
 
 
 class TraceError(ValueError):
-    """A trace file is malformed; the message names the file, the line and the problem."""
+    """A trace file is malformed; the message names the file, the line (None: the file as a whole)
+    and the problem."""
 
-    def __init__(self, path: str, line: int, problem: str) -> None:
-        super().__init__(f"{path}:{line}: {problem}")
+    def __init__(self, path: str, line: int | None, problem: str) -> None:
+        super().__init__(f"{path}: {problem}" if line is None else f"{path}:{line}: {problem}")
         self.path = path
         self.line = line
         self.problem = problem
@@ -234,7 +236,9 @@ def iter_trace(path: str) -> Iterator[TraceHeader | Rollout]:
                     )
                 yield rollout
     except (OSError, EOFError, UnicodeDecodeError) as err:
-        raise TraceError(path, 0, f"cannot read file: {err}") from None
+        raise TraceError(path, None, f"cannot read file: {err}") from None
+    except zlib.error as err:  # a gzip stream damaged past its header
+        raise TraceError(path, None, f"cannot read file: corrupt gzip data ({err})") from None
     if header is None:
         raise TraceError(path, 1, "file is empty (no header line)")
 

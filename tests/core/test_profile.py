@@ -92,3 +92,85 @@ def test_a_hugging_face_config_gives_the_models_shape(tmp_path):
         model_shape("gpt-17")
     with pytest.raises(ValueError, match="heads"):
         ModelShape("bad", layers=1, hidden=8, heads=3, kv_heads=2, head_dim=4, intermediate=8, vocab=8)
+
+
+def profile_json():
+    return roofline_profile("h100", MODEL_SHAPES["tiny"], k=2).to_json()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model": "x"}, "model must be a JSON object, got 'x'"),
+    ({"device": []}, "device must be a JSON object, got []"),
+    ({"floor_ms": "abc"}, "floor_ms must be a number > 0 or null, got 'abc'"),
+    ({"floor_ms": float("nan")}, "floor_ms must be a number > 0 or null, got nan"),
+    ({"k": "8"}, "k must be an integer >= 1, got '8'"),
+    ({"prefill_ms_per_token": -1}, "prefill_ms_per_token must be a number >= 0, got -1"),
+    ({"host": {"base_ms": "fast"}}, "host.base_ms must be a number >= 0, got 'fast'"),
+    ({"host": {"base_mz": 1}}, "host must be a JSON object of base_ms and per_request_ms"),
+    ({"notes": "one"}, "notes must be a list of strings, got 'one'"),
+    ({"grid": {"batch": [1, 2], "tokens_per_request": "1", "context": [256]}},
+     "grid.tokens_per_request must be a list of integers, got '1'"),
+    ({"steps": {"batch": 1}}, "steps must be a list"),
+    ({"source": "guessed"}, "profile source must be roofline, measured or engine, got 'guessed'"),
+])
+def test_a_profile_field_of_the_wrong_type_is_refused_naming_file_and_field(tmp_path, change, message):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**profile_json(), **change}))
+    with pytest.raises(ValueError) as err:
+        load_profile(str(path))
+    assert str(err.value).startswith(f"{path}: {message}")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("batch", 5, "steps[0].batch 5 is not in grid.batch [1, 2, 4,"),
+    ("context", "256", "steps[0].context '256' is not in grid.context [256, 1024, 4096]"),
+    ("ms", -1.0, "steps[0].ms must be a number > 0, got -1.0"),
+    ("measured", "yes", "steps[0].measured must be true or false, got 'yes'"),
+])
+def test_a_step_outside_the_grid_or_of_the_wrong_type_is_refused_naming_it(tmp_path, field, value, message):
+    data = profile_json()
+    data["steps"][0][field] = value
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as err:
+        load_profile(str(path))
+    assert str(err.value).startswith(f"{path}: {message}")
+
+
+def test_a_profile_that_cannot_be_read_is_refused_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=f"^{tmp_path}: cannot read file"):
+        load_profile(str(tmp_path))
+    binary = tmp_path / "p.json"
+    binary.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match=f"^{binary}: cannot read file \\(not UTF-8"):
+        load_profile(str(binary))
+
+
+TINY_CONFIG = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 512}
+
+
+@pytest.mark.parametrize("config, message", [
+    ([TINY_CONFIG], "not a model configuration (a JSON object), got list"),
+    ({**TINY_CONFIG, "num_attention_heads": 0, "head_dim": None}, "num_attention_heads must be an integer >= 1, got 0"),
+    ({**TINY_CONFIG, "hidden_size": "64"}, "hidden_size must be an integer >= 1, got '64'"),
+    ({**TINY_CONFIG, "num_hidden_layers": 2.5}, "num_hidden_layers must be an integer >= 1, got 2.5"),
+    ({**TINY_CONFIG, "num_key_value_heads": 3}, "heads (4) must be a multiple of kv_heads (3)"),
+    ({**TINY_CONFIG, "rope_theta": "big"}, "rope_theta must be a number > 0, got 'big'"),
+    ({**TINY_CONFIG, "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false, got 'yes'"),
+    ({"text_config": 3}, "text_config must be a JSON object, got 3"),
+    ({k: v for k, v in TINY_CONFIG.items() if k != "vocab_size"}, "not a dense decoder configuration, no 'vocab_size'"),
+])
+def test_a_bad_hugging_face_config_is_refused_naming_file_and_key(tmp_path, config, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    for given in (path, tmp_path):  # the file, or the directory holding it
+        with pytest.raises(ValueError) as err:
+            model_shape(str(given))
+        assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+
+
+@pytest.mark.parametrize("k", [0, -1])
+def test_a_roofline_for_drafts_of_no_tokens_is_refused(k):
+    with pytest.raises(ValueError, match=f"--k must be >= 1, got {k}"):
+        roofline_profile("h100", MODEL_SHAPES["tiny"], k=k)

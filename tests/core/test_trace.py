@@ -1,5 +1,6 @@
 import gzip
 import json
+import zlib
 
 import pytest
 
@@ -86,3 +87,23 @@ def test_empty_and_unreadable_files(tmp_path):
     broken.write_bytes(b"not gzip at all")
     with pytest.raises(TraceError, match="cannot read"):
         read_trace(str(broken))
+
+
+def test_a_gzip_stream_damaged_past_its_header_is_a_read_error_naming_the_file(tmp_path):
+    good = "".join(line + "\n" for line in [json.dumps(HEADER), rollout_line(), rollout_line(sample=1)])
+    packer = zlib.compressobj(wbits=31)  # a gzip stream
+    data = packer.compress(good.encode()) + packer.flush(zlib.Z_FULL_FLUSH)
+    path = tmp_path / "damaged.jsonl.gz"
+    path.write_bytes(data + b"\x07\x00\x00\x00")  # then a deflate block of the reserved type 3
+    with pytest.raises(TraceError) as info:
+        read_trace(str(path))
+    assert str(info.value).startswith(f"{path}: cannot read file: corrupt gzip data (")
+    assert info.value.line is None
+
+
+def test_a_file_level_error_names_no_line(tmp_path):
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(b"not gzip at all")
+    with pytest.raises(TraceError) as info:
+        read_trace(str(broken))
+    assert str(info.value).startswith(f"{broken}: cannot read file: ") and info.value.line is None

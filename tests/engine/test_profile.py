@@ -61,3 +61,16 @@ def test_smoothing_recovers_a_linear_table_from_noisy_entries():
     worst = max(abs(smoothed.step_ms[i][j][0] / truth(b, q) - 1) for i, b in enumerate(batches)
                 for j, q in enumerate(tokens))
     assert worst < worst_raw / 2
+
+
+@pytest.mark.parametrize("flag", ["--smooth-only", "--from-benchmark"])
+def test_the_profile_tool_refuses_to_write_over_its_input(tmp_path, monkeypatch, flag):
+    from ngramrl.engine import profile
+    from ngramrl.paths import OutputPathError
+
+    source = tmp_path / "in.json"
+    source.write_text("{}")
+    monkeypatch.setattr("sys.argv", ["profile", flag, str(source), "--out", str(source)])
+    with pytest.raises(OutputPathError, match="is also an input"):
+        profile.main()
+    assert source.read_text() == "{}"

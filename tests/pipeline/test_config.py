@@ -160,3 +160,42 @@ def test_a_reasoning_gym_workload_names_a_task_that_exists():
     assert other.name == "gsm" and other.task is None and other.task_settings == {}
     with pytest.raises(ConfigError, match="task is for the reasoning_gym workload"):
         load_config(default, ["workload.name=gsm", "workload.task=chain_sum"])
+
+
+@pytest.mark.parametrize("override, expected", [("ray.num_cpus=2", 2), ("rollout.threads=3", 3),
+                                                ("ngramrl.prefetch.budget=4", 4)])
+def test_an_empty_section_holds_its_defaults_and_takes_overrides(tmp_path, override, expected):
+    section = override.split(".")[0]
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\nrun:\n  steps: 2\n")
+    assert load_config(str(path)).run.steps == 2
+    config = load_config(str(path), [override])
+    node = config
+    for key in override.partition("=")[0].split("."):
+        node = getattr(node, key)
+    assert node == expected
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.num_cpus_per_engine=-1", "rollout: num_cpus_per_engine must be >= 0, got -1"),
+    ("rollout.num_gpus_per_engine=-0.5", "rollout: num_gpus_per_engine must be >= 0, got -0.5"),
+    ("trainer.num_cpus_per_actor=-2", "trainer: num_cpus_per_actor must be >= 0, got -2"),
+    ("trainer.num_gpus_per_actor=-1", "trainer: num_gpus_per_actor must be >= 0, got -1"),
+    ("rollout.threads=-1", "rollout: threads must be >= 0 (0: all of the machine's), got -1"),
+    ("trainer.threads=-4", "trainer: threads must be >= 0 (0: all of the machine's), got -4"),
+    ("rollout.cpu_kv_cache_gib=-1", "rollout: cpu_kv_cache_gib must be >= 1, got -1"),
+    ("rollout.cpu_kv_cache_gib=0", "rollout: cpu_kv_cache_gib must be >= 1, got 0"),
+    ("rollout.temperature=.nan", "rollout.temperature must be a number, got nan"),
+    ("run.timeout_s=.NaN", "run.timeout_s must be a number, got nan"),
+    ("trainer.learning_rate=.nan", "trainer.learning_rate must be a number, got nan"),
+])
+def test_settings_that_cannot_run_are_refused(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert f"<defaults>: {message}" in str(err.value)
+
+
+@pytest.mark.parametrize("override", ["rollout.threads=0", "trainer.threads=0", "rollout.num_cpus_per_engine=0",
+                                      "trainer.num_cpus_per_actor=0", "rollout.num_gpus_per_engine=0"])
+def test_zero_threads_and_zero_cpus_are_accepted(override):
+    load_config(None, [override])
