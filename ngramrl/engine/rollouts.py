@@ -151,20 +151,25 @@ class RolloutEngine:
                                     else "stop"))
         return rollouts
 
+    def _drafter_call(self, method: str, *args: Any) -> Any:
+        """``method`` on every worker's proposer; the first answer there is: with pipeline
+        parallelism only the last stage's worker has a drafter (the others answer None)."""
+        return next((reply for reply in self.llm.collective_rpc(method, args=args) if reply is not None), None)
+
     def proposer_stats(self) -> dict[str, Any]:
         """The ngramrl proposer's counters in the engine process; empty without one."""
-        return self.llm.collective_rpc("ngramrl_stats")[0] or {}
+        return self._drafter_call("ngramrl_stats") or {}
 
     def export_state(self) -> dict[str, Any] | None:
         """What the engine's ngramrl proposer has learned (its rollout history, step-cost fit and
         acceptance calibration), to start another engine warm with ``restore_state``; None when
         the engine drafts otherwise."""
-        return self.llm.collective_rpc("ngramrl_export_state")[0]
+        return self._drafter_call("ngramrl_export_state")
 
     def restore_state(self, state: dict[str, Any]) -> int | None:
         """Give this engine's proposer an exported state (the rollouts count as those of their
         epochs); returns the prompts it knows, or None when the engine drafts otherwise."""
-        return self.llm.collective_rpc("ngramrl_restore_state", args=(state,))[0]
+        return self._drafter_call("ngramrl_restore_state", state)
 
     def close(self) -> None:
         """Shut the engine down (its engine-core process too)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import math
 import os
 import statistics
@@ -31,6 +32,8 @@ from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLCo
 from ngramrl.core.cost import StepCostModel, drafting_pays
 from ngramrl.core.rows import CommittedRows, DraftBatch, batch_ranks, committed_rows, recycled_lists
 from ngramrl.engine.sources import CoreSource, DraftSource, StepRows
+
+logger = logging.getLogger("ngramrl")
 
 CONFIG_ENV = "NGRAMRL_CONFIG"
 PROBE_TOKENS = (1, 4)  # draft tokens verified by the probes while drafting is off, in turn
@@ -627,9 +630,15 @@ class NgramRLProposer:
             prompt = getattr(cached, "prompt_token_ids", None) if cached is not None else None
             if prompt_id is None or prompt is None:
                 continue
+            epoch = extra.get("epoch", 0)
+            if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+                # raised later, at its end, this would stop the engine: it drafts without a history
+                logger.warning("ngramrl: request %s: extra_args epoch must be an integer >= 0, got %r; it is "
+                               "it gets no drafts and enters no history", req_id, epoch)
+                continue
             produced = getattr(cached, "output_token_ids", None) or []
             before = produced[: max(0, len(produced) - len(tokens))]  # tokens from before this step
-            starting.append((req_id, str(prompt_id), prompt, before, int(extra.get("epoch", 0))))
+            starting.append((req_id, str(prompt_id), prompt, before, epoch))
         if not starting:
             return
         starting_ids, prompt_ids, prompts, befores, epochs = map(list, zip(*starting, strict=True))

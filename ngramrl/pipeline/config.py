@@ -299,6 +299,18 @@ class TrainConfig:
         if self.workload.prompts < self.rollout.prompts_per_step:
             raise ValueError(f"workload.prompts ({self.workload.prompts}) must be >= rollout.prompts_per_step "
                              f"({self.rollout.prompts_per_step})")
+        needed = self.cpus_needed()
+        if self.ray.address is None and self.ray.num_cpus is not None and self.ray.num_cpus < needed:
+            # Ray would never place every actor: the run would wait out run.timeout_s instead
+            raise ValueError(f"ray.num_cpus ({self.ray.num_cpus}) is less than the actors reserve ({needed:g}: "
+                             f"rollout.engines x num_cpus_per_engine + trainer.num_actors x num_cpus_per_actor + "
+                             f"pool.shards x num_cpus_per_shard)")
+
+    def cpus_needed(self) -> float:
+        """The CPUs the run's actors reserve in Ray (its scheduling tokens, not cores)."""
+        return (self.rollout.engines * self.rollout.num_cpus_per_engine
+                + self.trainer.num_actors * self.trainer.num_cpus_per_actor
+                + self.pool.shards * self.pool.num_cpus_per_shard)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

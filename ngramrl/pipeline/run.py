@@ -161,8 +161,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
 
     started_ray = False
     if not ray.is_initialized():
-        needed = (rollout.engines * rollout.num_cpus_per_engine + config.trainer.num_actors
-                  * config.trainer.num_cpus_per_actor + config.pool.shards * config.pool.num_cpus_per_shard)
+        needed = config.cpus_needed()
         kwargs: dict[str, Any] = {"namespace": config.ray.namespace, "include_dashboard": False}
         if config.ray.address:
             kwargs["address"] = config.ray.address

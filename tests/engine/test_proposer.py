@@ -351,6 +351,20 @@ def test_tokens_of_a_step_vllm_ran_without_the_proposer_enter_the_history_from_t
     assert outputs == [[100, 101, 102, 103], [100, 101, 102, 9]]
 
 
+def test_a_request_whose_epoch_is_no_epoch_is_left_out_of_the_history_and_the_engine_goes_on(monkeypatch, caplog):
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), adaptive_length=False,
+                                        drafter=DrafterConfig(use_global=False))
+    proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 102, 103, 104, 105], epoch=0)
+    for req_id, epoch in (("good", 1), ("negative", -1), ("text", "one")):
+        runner.add(req_id, "p", [1, 2, 3], epoch=epoch)
+    assert proposer.propose([[100], [100], [100]], [4] * 3, None) == [[101, 102, 103, 104], [], []]
+    assert "request negative: extra_args epoch must be an integer >= 0, got -1" in caplog.text
+    for req_id in ("good", "negative", "text"):
+        runner.remove(req_id)
+    proposer.propose([], [], None)
+    assert proposer.stats.finished_rollouts == 1
+
+
 def test_a_request_out_of_the_batch_but_in_the_runner_is_not_finished(monkeypatch):
     """vLLM keeps a request it did not schedule this step (preempted, waiting) in its runner's
     requests and out of the batch: it is no rollout yet. Back in the batch it drafts on from its

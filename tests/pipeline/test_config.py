@@ -93,6 +93,7 @@ def model_dir(path):
     (["run.if_exists=append"], "run: if_exists must be one of refuse, resume, overwrite"),
     (["model.rollout_dtype=bf16"], "rollout_dtype must be one of auto, float32, bfloat16, float16, got 'bf16'"),
     (["model.train_dtype=auto"], "train_dtype must be one of float32, bfloat16, float16, got 'auto'"),
+    (["ray.num_cpus=1", "trainer.num_cpus_per_actor=2"], "ray.num_cpus (1) is less than the actors reserve ("),
 ])
 def test_check_catches_what_would_fail_later(tmp_path, monkeypatch, overrides, message):
     (tmp_path / "a-file").write_text("x")
@@ -162,7 +163,7 @@ def test_a_reasoning_gym_workload_names_a_task_that_exists():
         load_config(default, ["workload.name=gsm", "workload.task=chain_sum"])
 
 
-@pytest.mark.parametrize("override, expected", [("ray.num_cpus=2", 2), ("rollout.threads=3", 3),
+@pytest.mark.parametrize("override, expected", [("ray.num_cpus=6", 6), ("rollout.threads=3", 3),
                                                 ("ngramrl.prefetch.budget=4", 4)])
 def test_an_empty_section_holds_its_defaults_and_takes_overrides(tmp_path, override, expected):
     section = override.split(".")[0]
