@@ -143,6 +143,7 @@ class RolloutEngine:
                 inputs.append({"prompt_token_ids": list(prompt.token_ids)})
                 keys.append((prompt, sample))
         outputs = self.llm.generate(inputs, params, use_tqdm=use_tqdm)
+        self.llm.collective_rpc("ngramrl_end_batch")  # nothing else runs on this engine: all of them are done
         rollouts = []
         for (prompt, sample), out in zip(keys, outputs, strict=True):
             completion = out.outputs[0]

@@ -109,6 +109,10 @@ class DraftSource(Protocol):
         """A generate call starts; ``prompts`` (id -> prompt tokens): those its requests run, where
         the caller knows them."""
 
+    def end_batch(self) -> None:
+        """A generate call returned: no step follows until the next one, so the background's work
+        for a next step stops."""
+
     def stats(self) -> dict[str, Any]:
         """The source's own counters, for the proposer's stats."""
 
@@ -218,6 +222,11 @@ class CoreSource:
 
     def new_batch(self, prompts: dict[str, list[int]] | None = None) -> None:
         pass
+
+    def end_batch(self) -> None:
+        if self.offloads:
+            self.core.stop(cancel=True)
+            self.core.take_span()  # the time until the next call is no forward: the budget must not follow it
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"prompts": len(self.core), "native_core": self.core.native}

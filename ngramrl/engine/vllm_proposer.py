@@ -376,6 +376,20 @@ class NgramRLProposer:
         the first step, and looks for restarted drafter actors."""
         self.source.new_batch(prompts)
 
+    def end_batch(self) -> None:
+        """A generate call returned, with every request it ran finished (vLLM's ``LLM.generate``
+        returns once all are done; its runner forgets them only at its next step): they become
+        rollouts now, so that the history, and what ``export_state`` gives, holds the whole call,
+        and the next call starts from an empty batch."""
+        self.source.end_batch()
+        self._outside.update(dict.fromkeys(self.requests))
+        self._retire({})
+        self._batch_states = None
+        self._last_batch = ()
+        self._sent = (NO_RANKS, np.zeros(1, dtype=np.int64), NO_RANKS)
+        self._step_started = None
+        self._offloaded = None  # the last hand-over's work was stopped: it has no time to count
+
     def bind_runner(self, runner: Any) -> None:
         self.runner = runner
 

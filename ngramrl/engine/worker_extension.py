@@ -33,6 +33,13 @@ class NgramRLWorkerExtension:
         if hasattr(drafter, "new_batch"):
             drafter.new_batch(prompts)
 
+    def ngramrl_end_batch(self) -> None:
+        """A generate call returned with every request done: the proposer stores them now
+        (``NgramRLProposer.end_batch``). Only where no other request is in flight (``LLM.generate``)."""
+        drafter = getattr(self.model_runner, "drafter", None)
+        if hasattr(drafter, "end_batch"):
+            drafter.end_batch()
+
     def ngramrl_load_weights(self, weights: dict[str, Any]) -> int:
         """Load new policy weights (HF parameter names) in place; returns how many tensors were given."""
         runner = self.model_runner

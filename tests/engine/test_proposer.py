@@ -365,6 +365,27 @@ def test_a_request_whose_epoch_is_no_epoch_is_left_out_of_the_history_and_the_en
     assert proposer.stats.finished_rollouts == 1
 
 
+@pytest.mark.parametrize("prefetch", ["off", "on"])
+def test_a_finished_generate_call_stores_its_requests_and_the_next_starts_afresh(monkeypatch, prefetch):
+    """end_batch: the call's requests (still in vLLM's runner until its next step) become rollouts
+    at once, in the order they came; a request of the next call drafts from them."""
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), adaptive_length=False,
+                                        prefetch=prefetch, drafter=DrafterConfig(use_global=False))
+    for req_id in ("a", "b"):
+        runner.add(req_id, "p", [1, 2, 3], epoch=0)
+    for tokens in ([100, 200], [101, 201], [102, 202]):
+        proposer.propose([[t] for t in tokens], [4, 4], None)
+    proposer.end_batch()
+    assert proposer.stats.finished_rollouts == 2
+    assert [output for prompt_id, _, rollouts in proposer.core.export() for _, output in rollouts] == \
+        [[100, 101, 102], [200, 201, 202]]
+    for req_id in ("a", "b"):  # vLLM's runner lets them go at its next step
+        runner.remove(req_id)
+    runner.add("c", "p", [1, 2, 3], epoch=1)
+    assert proposer.propose([[100]], [4], None) == [[101, 102]]
+    assert proposer.stats.finished_rollouts == 2
+
+
 def test_a_request_out_of_the_batch_but_in_the_runner_is_not_finished(monkeypatch):
     """vLLM keeps a request it did not schedule this step (preempted, waiting) in its runner's
     requests and out of the batch: it is no rollout yet. Back in the batch it drafts on from its

@@ -213,6 +213,22 @@ def test_requests_that_reach_max_model_len_leave_every_committed_token_in_the_hi
     assert (stats["gap_rows"] > 0) == (near_end == "0"), stats["gap_rows"]
 
 
+@pytest.mark.parametrize("end_batch", [True, False])
+def test_a_generate_calls_requests_are_stored_when_it_returns(tiny_model_dir, tmp_path, end_batch):
+    """vLLM's runner forgets a finished request only at its next step, so the proposer sees the
+    requests of a generate call leave at the next call; told that the call returned (what
+    RolloutEngine.generate does), it stores them at once, and an exported history holds them."""
+    spec = {"model": tiny_model_dir, "k": 6, "epochs": greedy_epochs()[:2], "history": True, "end_batch": end_batch,
+            **GREEDY_EXACT}
+    out = run(tmp_path, "ngramrl", spec)
+    stored = out["history"]["rollouts"]
+    for row, pid in enumerate(PROMPTS):
+        generated = [outputs[2 * row + sample] for outputs in out["outputs"] for sample in range(2)]
+        kept = generated if end_batch else generated[:2]  # else the last call's wait for the next one
+        assert sorted(stored[pid]) == sorted(kept), pid
+    assert out["history"]["stats"]["finished_rollouts"] == (16 if end_batch else 8)
+
+
 def test_a_new_engine_given_the_exported_state_drafts_from_the_old_history(tiny_model_dir, tmp_path):
     """Two epochs on one engine, then a new engine for the third: given the old proposer's state
     (RolloutEngine.export_state / restore_state over vLLM's RPC) it drafts from the old history at

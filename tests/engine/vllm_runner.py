@@ -69,6 +69,8 @@ def main(spec_path: str, out_path: str) -> None:
                                          max_tokens=r.get("max_tokens", 32), extra_args=extra or None,
                                          logprobs=0 if spec.get("logprobs") else None))
         outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in requests], params, use_tqdm=False)
+        if spec.get("end_batch"):  # as RolloutEngine.generate does
+            llm.collective_rpc("ngramrl_end_batch")
         results.append([list(o.outputs[0].token_ids) for o in outs])
         if spec.get("logprobs"):
             logprobs.append([[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
