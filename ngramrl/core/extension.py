@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 logger = logging.getLogger(__name__)
-NEWEST = "row_gaps_interface"  # the newest name: an extension without it was built from older sources
+NEWEST = "request_ends_interface"  # the newest name: an extension without it was built from older sources
 _warned = False
 
 

@@ -176,11 +176,13 @@ class CommittedRows:
 
 def committed_rows(sampled: list[list[int]], arrival: np.ndarray, num_tokens: Any, max_model_len: int, k: int,
                    sent_ranks: np.ndarray, sent_offsets: np.ndarray, sent_num_tokens: np.ndarray | None = None,
-                   token_ids: Any = None) -> CommittedRows:
+                   token_ids: Any = None, ends: np.ndarray | None = None) -> CommittedRows:
     """A vLLM step's rows as arrays: the rows i with an arrival rank (``arrival[i] >= 0``) and
     sampled tokens (``sampled[i]``, vLLM's token list per row), in arrival order; each row's room
-    for a draft, ``min(k, max_model_len - num_tokens[i] - 1)`` (``num_tokens``: vLLM's tokens per
-    row before this step's drafts); and the tokens accepted of the drafts sent last step to the
+    for a draft, ``min(k, end - num_tokens[i] - 1)`` (``num_tokens``: vLLM's tokens per row before
+    this step's drafts; ``end``: ``max_model_len``, or ``ends[i]`` below it, the tokens the row's
+    request may reach: a draft past its max_tokens is verified for nothing, and vLLM drops what it
+    commits there); and the tokens accepted of the drafts sent last step to the
     rows ranked ``sent_ranks`` (rising), row r's ``sent_offsets[r + 1] - sent_offsets[r]`` tokens
     long: a row sent a draft committed its accepted tokens and one token of the target's. One C++
     pass where the native core is built.
@@ -195,11 +197,12 @@ def committed_rows(sampled: list[list[int]], arrival: np.ndarray, num_tokens: An
     sent_offsets = np.ascontiguousarray(sent_offsets, dtype=np.int64)
     sent_num_tokens = np.ascontiguousarray(sent_num_tokens if sent_num_tokens is not None else NO_COUNTS,
                                            dtype=np.int64)
+    ends = np.ascontiguousarray(ends if ends is not None else NO_COUNTS, dtype=np.int64)
     native = native_module() if isinstance(sampled, list) else None
     if native is not None:
         try:
             *fields, gaps = native.committed_rows(sampled, arrival, num_tokens, int(max_model_len), int(k),
-                                                  sent_ranks, sent_offsets, sent_num_tokens)
+                                                  sent_ranks, sent_offsets, sent_num_tokens, ends)
             return _fill_gaps(CommittedRows(*fields), gaps, token_ids)
         except TypeError:  # rows that are not lists (tuples, arrays): the general path below
             pass
@@ -216,6 +219,8 @@ def committed_rows(sampled: list[list[int]], arrival: np.ndarray, num_tokens: An
         raise ValueError("committed_rows: the sent ranks must rise")
     if len(sent_num_tokens) not in (0, len(sent_ranks)):
         raise ValueError(f"committed_rows: {len(sent_num_tokens)} sent token counts for {len(sent_ranks)} sent ranks")
+    if len(ends) not in (0, n):
+        raise ValueError(f"committed_rows: {len(ends)} request ends for {n} rows")
     sizes = np.fromiter(map(len, sampled), np.int64, n)
     index = np.flatnonzero((arrival >= 0) & (sizes > 0))
     index = index[np.argsort(arrival[index], kind="stable")]
@@ -227,7 +232,7 @@ def committed_rows(sampled: list[list[int]], arrival: np.ndarray, num_tokens: An
     if len(tokens) and (tokens.min() < np.iinfo(np.int32).min or tokens.max() > np.iinfo(np.int32).max):
         raise ValueError("committed_rows: a token that is not an int32")
     held = np.asarray(num_tokens[:n], dtype=np.int64)[index]
-    room = max_model_len - held - 1
+    room = (np.minimum(ends[index], max_model_len) if len(ends) else max_model_len) - held - 1
     ks = np.clip(np.minimum(k, room), np.iinfo(np.int32).min, None).astype(np.int32)
     verified = np.zeros(len(index), dtype=np.int64)
     gaps: list[tuple[int, int, int]] = []

@@ -279,6 +279,9 @@ class NgramRLProposer:
         self.runner: Any = None
         self.requests: dict[str, Any] = {}  # the drafting state of each request; None: no prompt id
         self.epochs: dict[str, int] = {}
+        # The tokens each request may reach (prompt + max_tokens), where below max_model_len; a
+        # batch's as an array by row, kept with its ranks in ``_batch_states``.
+        self._ends: dict[str, int] = {}
         # Each request's rank in the order the requests came: the source sees a step's rows in that
         # order, so the drafts do not depend on the engine's batch order (vLLM moves rows into the
         # places of finished requests, and the history's insertion order decides ties). NO_PROMPT
@@ -304,7 +307,7 @@ class NgramRLProposer:
         # vLLM's draft lists, refilled once vLLM lets go of them (a new list per row and step sets
         # off the cycle collector at large batches; ``recycled_lists``).
         self._draft_lists = recycled_lists()
-        self._batch_states: tuple[tuple[str, ...], Any, np.ndarray] | None = None
+        self._batch_states: tuple[tuple[str, ...], Any, np.ndarray, np.ndarray] | None = None
         # Requests admitted that are not in the batch (finished, or not scheduled this step):
         # only these can have left the runner, so only these are looked for there.
         self._outside: dict[str, None] = {}
@@ -508,9 +511,9 @@ class NgramRLProposer:
         step, and the rows whose tokens of a step this proposer was not called on came from the
         engine's buffer: vLLM skips the drafter on steps where a request nears max_model_len, and
         the history stays whole)."""
-        states, arrival = self._states(batch, sampled_token_ids)
+        states, arrival, ends = self._states(batch, sampled_token_ids)
         step = committed_rows(sampled_token_ids, arrival, num_tokens_no_spec, self.max_model_len, self.k,
-                              *self._sent, token_ids=token_ids)
+                              *self._sent, token_ids=token_ids, ends=ends)
         if step.whole:
             requests = states
         else:  # the core's handles are the ranks; the pool's requests are objects
@@ -518,14 +521,16 @@ class NgramRLProposer:
         rows = StepRows(step.index, batch, requests, step.tokens, step.offsets, step.ks, step.with_room)
         return rows, step
 
-    def _states(self, batch: tuple[str, ...], sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray]:
-        """Each row's drafting state (the core's handles as an array; the pool's requests) and its
-        arrival rank (NO_PROMPT: a request without a prompt id). New requests are admitted here;
-        those that left the batch are noted for ``_retire``."""
+    def _states(self, batch: tuple[str, ...],
+                sampled_token_ids: list[list[int]]) -> tuple[Any, np.ndarray, np.ndarray]:
+        """Each row's drafting state (the core's handles as an array; the pool's requests), its
+        arrival rank (NO_PROMPT: a request without a prompt id) and the tokens its request may reach.
+        New requests are admitted here; those that left the batch are noted for ``_retire``."""
         last = self._batch_states
         if last is not None and last[0] == batch:
             return last[1:]
-        last_batch, last_arrival = (last[0], last[2]) if last is not None else ((), NO_RANKS)
+        last_batch, last_arrival, last_ends = (last[0], last[2], last[3]) if last is not None else ((), NO_RANKS,
+                                                                                                    NO_RANKS)
         arrival, new, entered, left = batch_ranks(batch, self._arrival, UNSEEN, last_batch, last_arrival)
         if self._outside:
             for row in entered:
@@ -537,8 +542,13 @@ class NgramRLProposer:
                 arrival[row] = self._arrival[batch[row]]
         # The core's handles are the ranks (one array, passed to every step as it is).
         states = arrival if self.core is not None else [self.requests[req_id] for req_id in batch]
-        self._batch_states = (batch, states, arrival)
-        return states, arrival
+        ends = np.empty(len(batch), dtype=np.int64)
+        kept = min(len(batch), len(last_ends))
+        ends[:kept] = last_ends[:kept]  # a row not entered holds the request it held (batch_ranks)
+        for row in entered:
+            ends[row] = self._ends.get(batch[row], self.max_model_len)
+        self._batch_states = (batch, states, arrival, ends)
+        return states, arrival, ends
 
     def _exploring(self, step: int) -> bool:
         return self.config.engine.adaptive_length and step >= self._next_probe
@@ -647,11 +657,14 @@ class NgramRLProposer:
             epoch = extra.get("epoch", 0)
             if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
                 # raised later, at its end, this would stop the engine: it drafts without a history
-                logger.warning("ngramrl: request %s: extra_args epoch must be an integer >= 0, got %r; it is "
-                               "it gets no drafts and enters no history", req_id, epoch)
+                logger.warning("ngramrl: request %s: extra_args epoch must be an integer >= 0, got %r; it gets no "
+                               "drafts and enters no history", req_id, epoch)
                 continue
             produced = getattr(cached, "output_token_ids", None) or []
             before = produced[: max(0, len(produced) - len(tokens))]  # tokens from before this step
+            max_tokens = getattr(params, "max_tokens", None)
+            if isinstance(max_tokens, int) and len(prompt) + max_tokens < self.max_model_len:
+                self._ends[req_id] = len(prompt) + max_tokens
             starting.append((req_id, str(prompt_id), prompt, before, epoch))
         if not starting:
             return
@@ -676,6 +689,7 @@ class NgramRLProposer:
             del self._outside[req_id]
             request = self.requests.pop(req_id)
             epoch = self.epochs.pop(req_id, 0)
+            self._ends.pop(req_id, None)
             del self._arrival[req_id]
             if request is not None:
                 ending.append(request)

@@ -1761,9 +1761,9 @@ using namespace ngramrl;
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "ngramrl's native drafting core (see ngramrl/core/batch.py)";
-    // What ngramrl.core.extension checks for: committed_rows finds the rows' gaps (the newest
+    // What ngramrl.core.extension checks for: committed_rows takes each request's end (the newest
     // interface change).
-    m.attr("row_gaps_interface") = true;
+    m.attr("request_ends_interface") = true;
     // xtx and xty are updated in place: an array that would need converting is refused, not copied
     m.def("step_cost_fold", &step_cost_fold, py::arg("xtx").noconvert(), py::arg("xty").noconvert(), py::arg("yty"),
           py::arg("observed"), py::arg("knees"), py::arg("decay"));
@@ -1772,7 +1772,7 @@ PYBIND11_MODULE(_native, m) {
           py::arg("last_ranks"));
     m.def("committed_rows", &committed_rows, py::arg("sampled"), py::arg("arrival"), py::arg("num_tokens"),
           py::arg("max_model_len"), py::arg("k"), py::arg("sent_ranks"), py::arg("sent_offsets"),
-          py::arg("sent_num_tokens"));
+          py::arg("sent_num_tokens"), py::arg("ends"));
     m.def("truncate_rows", &truncate_rows, py::arg("tokens"), py::arg("offsets"), py::arg("probs"), py::arg("keep"),
           py::arg("vocab"));
     m.def("draft_lists", &draft_lists, py::arg("size"), py::arg("positions"), py::arg("rows"), py::arg("tokens"),

@@ -120,10 +120,16 @@ inline py::tuple batch_ranks(const py::handle& ids, const py::dict& known, int64
 // each row's num_tokens, the gaps). Row r of the last step (rank sent_ranks[r]) was sent
 // sent_offsets[r + 1] - sent_offsets[r] draft tokens and had sent_num_tokens[r] tokens then (none
 // given: no gaps looked for); a row now holding more before its sampled tokens is a gap
-// (row, sent_num_tokens, its tokens before this step's).
+// (row, sent_num_tokens, its tokens before this step's). ends[i] (none given: max_model_len for
+// every row): the tokens row i's request may reach.
 inline py::tuple committed_rows(const py::list& sampled, const I64& arrival, const I64& num_tokens, int64_t max_model_len,
-                                int32_t k, const I64& sent_ranks, const I64& sent_offsets, const I64& sent_num_tokens) {
+                                int32_t k, const I64& sent_ranks, const I64& sent_offsets, const I64& sent_num_tokens,
+                                const I64& ends) {
     const int64_t n = arrival.size(), sent = sent_ranks.size();
+    if (ends.size() != 0 && ends.size() != n)
+        throw py::value_error("committed_rows: " + std::to_string(ends.size()) + " request ends for " +
+                              std::to_string(n) + " rows");
+    const int64_t* end = ends.size() != 0 ? ends.data() : nullptr;
     const bool gaps_known = sent_num_tokens.size() == sent && sent > 0;
     if (sent_num_tokens.size() != 0 && sent_num_tokens.size() != sent)
         throw py::value_error("committed_rows: " + std::to_string(sent_num_tokens.size()) + " sent token counts for " +
@@ -173,7 +179,7 @@ inline py::tuple committed_rows(const py::list& sampled, const I64& arrival, con
         rk[r] = rank[i];
         const int64_t size = static_cast<int64_t>(PyList_GET_SIZE(PyList_GET_ITEM(sampled.ptr(), i)));
         off[r + 1] = off[r] + size;
-        const int64_t left = max_model_len - length[i] - 1;
+        const int64_t left = (end != nullptr ? std::min(end[i], max_model_len) : max_model_len) - length[i] - 1;
         room[r] = static_cast<int32_t>(std::max<int64_t>(INT32_MIN, std::min<int64_t>(k, left)));
         with_room += room[r] > 0;
         held[r] = length[i];

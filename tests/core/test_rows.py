@@ -67,14 +67,16 @@ def test_committed_rows_are_the_rows_with_a_prompt_and_tokens_in_arrival_order(n
         num_tokens = np.array([rng.randrange(90, 101) for _ in range(n)], dtype=np.int32)
         sent_ranks = np.array(sorted(rng.sample(range(1000), rng.randrange(0, 40))), dtype=np.int64)
         sent_offsets = np.concatenate([[0], np.cumsum([rng.randrange(0, 4) for _ in sent_ranks])]).astype(np.int64)
-        step = committed_rows(sampled, arrival, num_tokens, 100, 8, sent_ranks, sent_offsets)
+        ends = np.array([rng.randrange(90, 110) for _ in range(n)], dtype=np.int64) if trial % 2 else None
+        step = committed_rows(sampled, arrival, num_tokens, 100, 8, sent_ranks, sent_offsets, ends=ends)
+        end = [100 if ends is None else min(100, int(ends[i])) for i in range(n)]
         index = sorted((i for i in range(n) if arrival[i] >= 0 and sampled[i]), key=lambda i: arrival[i])
         assert step.index.tolist() == index and step.ranks.tolist() == [arrival[i] for i in index]
         assert step.tokens.dtype == np.int32 and step.offsets.dtype == np.int64 and step.ks.dtype == np.int32
         assert [step.tokens[step.offsets[r]:step.offsets[r + 1]].tolist() for r in range(len(index))] == \
             [sampled[i] for i in index]
-        assert step.ks.tolist() == [min(8, 100 - int(num_tokens[i]) - 1) for i in index]
-        assert step.with_room == sum(min(8, 99 - int(num_tokens[i])) > 0 for i in index)
+        assert step.ks.tolist() == [min(8, end[i] - int(num_tokens[i]) - 1) for i in index]
+        assert step.with_room == sum(min(8, end[i] - int(num_tokens[i]) - 1) > 0 for i in index)
         sent = {int(r): int(sent_offsets[j + 1] - sent_offsets[j]) for j, r in enumerate(sent_ranks)}
         assert step.accepted == sum(len(sampled[i]) - 1 for i in index if sent.get(int(arrival[i]), 0) > 0)
         assert step.whole == (index == list(range(n)))

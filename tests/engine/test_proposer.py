@@ -386,6 +386,21 @@ def test_a_finished_generate_call_stores_its_requests_and_the_next_starts_afresh
     assert proposer.stats.finished_rollouts == 2
 
 
+def test_no_draft_runs_past_its_requests_max_tokens(monkeypatch):
+    """vLLM stops a request at max_tokens and drops what a step committed past it: a draft is cut
+    to the tokens its request has left, less the one the target adds (none past max_model_len
+    either), so nothing is verified for nothing and the stored rollout is the one generated."""
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), adaptive_length=False,
+                                        drafter=DrafterConfig(use_global=False))
+    proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 102, 103, 104, 105, 106, 107], epoch=0)
+    for req_id, max_tokens in (("short", 3), ("long", 50), ("unbounded", None)):
+        runner.add(req_id, "p", [1, 2, 3], epoch=1).sampling_params.max_tokens = max_tokens
+    assert proposer.propose([[100]] * 3, [4] * 3, None) == [[101], [101, 102, 103, 104], [101, 102, 103, 104]]
+    runner.add("joins", "p", [1, 2, 3], epoch=1).sampling_params.max_tokens = 4  # a new row; the others keep theirs
+    assert proposer.propose([[101, 102]] * 3 + [[100]], [6, 6, 6, 4], None) == \
+        [[], [103, 104, 105, 106], [103, 104, 105, 106], [101, 102]]
+
+
 def test_a_request_out_of_the_batch_but_in_the_runner_is_not_finished(monkeypatch):
     """vLLM keeps a request it did not schedule this step (preempted, waiting) in its runner's
     requests and out of the batch: it is no rollout yet. Back in the batch it drafts on from its

@@ -208,8 +208,8 @@ def test_requests_that_reach_max_model_len_leave_every_committed_token_in_the_hi
             output = outputs[row]
             if pid == "long" and near_end == "0":  # it ended in steps the proposer did not see
                 assert len(kept) < len(output) and output[:len(kept)] == kept, pid
-            else:  # whole (a last step's accepted drafts may run past max_tokens: vLLM drops those)
-                assert kept[:len(output)] == output, pid
+            else:  # whole, and no longer: no draft runs past max_tokens
+                assert kept == output, pid
     assert (stats["gap_rows"] > 0) == (near_end == "0"), stats["gap_rows"]
 
 
@@ -224,9 +224,12 @@ def test_a_generate_calls_requests_are_stored_when_it_returns(tiny_model_dir, tm
     stored = out["history"]["rollouts"]
     for row, pid in enumerate(PROMPTS):
         generated = [outputs[2 * row + sample] for outputs in out["outputs"] for sample in range(2)]
-        kept = generated if end_batch else generated[:2]  # else the last call's wait for the next one
-        assert sorted(stored[pid]) == sorted(kept), pid
-    assert out["history"]["stats"]["finished_rollouts"] == (16 if end_batch else 8)
+        if end_batch:
+            assert sorted(stored[pid]) == sorted(generated), pid
+        else:  # the first call's, and of the last call's only those its runner let go before it ended
+            assert all(output in generated for output in stored[pid]) and generated[:2] == stored[pid][:2], pid
+    finished = out["history"]["stats"]["finished_rollouts"]
+    assert finished == 16 if end_batch else 8 <= finished < 16
 
 
 def test_a_new_engine_given_the_exported_state_drafts_from_the_old_history(tiny_model_dir, tmp_path):
