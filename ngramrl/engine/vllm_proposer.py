@@ -542,11 +542,14 @@ class NgramRLProposer:
                 arrival[row] = self._arrival[batch[row]]
         # The core's handles are the ranks (one array, passed to every step as it is).
         states = arrival if self.core is not None else [self.requests[req_id] for req_id in batch]
-        ends = np.empty(len(batch), dtype=np.int64)
-        kept = min(len(batch), len(last_ends))
-        ends[:kept] = last_ends[:kept]  # a row not entered holds the request it held (batch_ranks)
-        for row in entered:
-            ends[row] = self._ends.get(batch[row], self.max_model_len)
+        if self._ends:  # else none ends before max_model_len: committed_rows takes no array as that
+            ends = np.empty(len(batch), dtype=np.int64)
+            kept = min(len(batch), len(last_ends))
+            ends[:kept] = last_ends[:kept] if len(last_ends) else self.max_model_len
+            # a row not entered holds the request it held (batch_ranks)
+            ends[entered] = [self._ends.get(batch[row], self.max_model_len) for row in entered]
+        else:
+            ends = NO_RANKS
         self._batch_states = (batch, states, arrival, ends)
         return states, arrival, ends
 
