@@ -139,7 +139,8 @@ class MethodRun:
         if state is not None:
             self.engine.restore_state(state)
         per_prompt = min(self.args.samples, concurrency)
-        self.engine.generate(prompts[:max(1, concurrency // per_prompt)], n=per_prompt, epoch=-1,
+        # drafted for as any request (an epoch it stores under is dropped with the state restored below)
+        self.engine.generate(prompts[:max(1, concurrency // per_prompt)], n=per_prompt, epoch=0,
                              temperature=self.args.temperature, max_tokens=max(8, self.args.max_tokens // 4), seed=1)
         if state is not None:
             self.engine.restore_state(state)
