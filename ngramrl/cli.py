@@ -185,14 +185,13 @@ def _profile_gpu(args: argparse.Namespace) -> int:
     from ngramrl.core.profile import (
         HostOverhead,
         RooflineSettings,
-        check_output,
         model_config_path,
         model_shape,
         roofline_profile,
         write_profile,
     )
 
-    check_output(args.out, "--out", [p for p in (model_config_path(args.model),) if p])
+    OutputPaths(inputs=[p for p in (model_config_path(args.model),) if p]).file(args.out, "--out")
     shape = model_shape(args.model)
     host = HostOverhead(*args.host_ms) if args.host_ms else HostOverhead()
     if args.roofline:

@@ -34,7 +34,8 @@ from ngramrl.bench.steps import (
     summarize_steps,
 )
 from ngramrl.config import EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
-from ngramrl.core.profile import MODEL_SHAPES, StepProfile, check_output, load_profile, roofline_profile
+from ngramrl.core.profile import MODEL_SHAPES, StepProfile, load_profile, roofline_profile
+from ngramrl.paths import OutputPaths
 
 BENCH_STEPS_VERSION = 1
 STEP_METHODS = ("ngramrl", "ngramrl-prefetch", "suffix")  # the default
@@ -192,7 +193,7 @@ def default_profile(k: int) -> StepProfile:
 
 def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print_now) -> dict:
     inputs = [*config.traces, *([config.profile] if config.profile else [])]
-    check_output(config.json_out, "--json", inputs)
+    OutputPaths(inputs=inputs).file(config.json_out, "--json")
     traces = load_traces(config.traces)  # every one read and checked for epochs to replay before any work starts
     profile = load_profile(config.profile) if config.profile else default_profile(config.k)
     skipped = {m: why for m in config.methods if (why := method_available(m))}

@@ -30,8 +30,9 @@ from ngramrl.bench.machine import machine_facts, machine_line
 from ngramrl.bench.report import print_now
 from ngramrl.bench.run import load_traces
 from ngramrl.bench.steps import ENGINE_METHODS, build_engine, copies_for, method_available, prepare_workload
-from ngramrl.core.profile import HostOverhead, StepProfile, check_output, load_profile
+from ngramrl.core.profile import HostOverhead, StepProfile, load_profile
 from ngramrl.core.trace import Trace
+from ngramrl.paths import OutputPaths
 
 PROJECT_VERSION = 1
 BANNER = "PROJECTION, not a measurement"
@@ -82,7 +83,7 @@ def profile_summary(profile: StepProfile, path: str, cpu_scale: float) -> dict:
 
 
 def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -> dict:
-    check_output(config.json_out, "--json", [*config.traces, config.profile])
+    OutputPaths(inputs=[*config.traces, config.profile]).file(config.json_out, "--json")
     profile = load_profile(config.profile)
     traces = load_traces(config.traces)  # every one read and checked for epochs to replay before any work starts
     if config.host is not None:

@@ -24,11 +24,9 @@ import bisect
 import json
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-from ngramrl.paths import OutputPaths
 
 PROFILE_VERSION = 1
 BYTES_BF16 = 2
@@ -458,12 +456,6 @@ class StepProfile:
                        prefill_ms_per_token=prefill, host=HostOverhead(**host_ms), floor_ms=floor, notes=notes)
         except ValueError as err:  # __post_init__'s, which does not know the file
             raise ValueError(f"{where}: {err}") from None
-
-
-def check_output(path: str | None, what: str = "--out", inputs: Iterable[str] = ()) -> str | None:
-    """An output file checked before any work starts (``ngramrl.paths.OutputPaths``): writable, and
-    none of ``inputs``. Its absolute path (None: not asked for)."""
-    return OutputPaths(inputs=inputs).file(path, what)
 
 
 def load_profile(path: str) -> StepProfile:

@@ -221,10 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-benchmark", metavar="BENCH_JSON",
                         help="no measuring: the profile an engine benchmark run's ngramrl arm measured")
     args = parser.parse_args(argv)
-    from ngramrl.core.profile import check_output
     from ngramrl.data.models import prepare_smollm2
+    from ngramrl.paths import OutputPaths
 
-    check_output(args.out, "--out", [p for p in (args.from_benchmark, args.smooth_only, args.model) if p])
+    OutputPaths(inputs=[p for p in (args.from_benchmark, args.smooth_only, args.model) if p]).file(args.out, "--out")
     if args.from_benchmark:
         write_profile(profile_from_benchmark(args.from_benchmark), args.out)
         print(f"wrote {args.out}")
