@@ -43,6 +43,7 @@ PROBE_TOKENS = (1, 4)  # draft tokens verified by the probes while drafting is o
 COST_REFIT_EVERY = 4
 UNSEEN, NO_PROMPT = -2, -1  # arrival ranks of a request not admitted yet, and of one without a prompt id
 NO_RANKS = np.zeros(0, dtype=np.int64)
+NOTHING_SENT = (NO_RANKS, np.zeros(1, dtype=np.int64), NO_RANKS)  # no rows sent drafts last step
 OWN_TIME_DECAY = 0.9  # the weight of the earlier steps in the proposer's own time and its lookups' yield
 
 
@@ -303,7 +304,7 @@ class NgramRLProposer:
         # is the same from step to step, and touching each row's objects after a forward has
         # flushed the caches is what per-row code costs.
         self._last_batch: tuple[str, ...] = ()
-        self._sent: tuple[np.ndarray, np.ndarray, np.ndarray] = (NO_RANKS, np.zeros(1, dtype=np.int64), NO_RANKS)
+        self._sent: tuple[np.ndarray, np.ndarray, np.ndarray] = NOTHING_SENT
         # vLLM's draft lists, refilled once vLLM lets go of them (a new list per row and step sets
         # off the cycle collector at large batches; ``recycled_lists``).
         self._draft_lists = recycled_lists()
@@ -389,7 +390,7 @@ class NgramRLProposer:
         self._retire({})
         self._batch_states = None
         self._last_batch = ()
-        self._sent = (NO_RANKS, np.zeros(1, dtype=np.int64), NO_RANKS)
+        self._sent = NOTHING_SENT
         self._step_started = None
         self._offloaded = None  # the last hand-over's work was stopped: it has no time to count
 
