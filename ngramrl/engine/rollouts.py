@@ -153,8 +153,9 @@ class RolloutEngine:
         return rollouts
 
     def _drafter_call(self, method: str, *args: Any) -> Any:
-        """``method`` on every worker's proposer; the first answer there is: with pipeline
-        parallelism only the last stage's worker has a drafter (the others answer None)."""
+        """``method`` on every worker's proposer; the first answer there is: only the worker whose
+        drafts vLLM reads has one (the first tensor-parallel rank of the last pipeline stage; the
+        others answer None)."""
         return next((reply for reply in self.llm.collective_rpc(method, args=args) if reply is not None), None)
 
     def proposer_stats(self) -> dict[str, Any]:

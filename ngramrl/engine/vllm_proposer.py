@@ -255,6 +255,24 @@ def _eos_ids(vllm_config: Any) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def drafts_read_here() -> bool:
+    """Whether vLLM reads the drafts this worker makes. Its executors take a step's drafts, like its
+    outputs, from one worker: the first tensor- (and context-) parallel rank of the last pipeline
+    stage (``MultiprocExecutor._get_output_rank``; rank 0 without pipeline stages). The other ranks'
+    drafts are made and dropped, so a proposer there would spend the host's cores and memory (and
+    the drafter pool's calls) on a history nobody drafts from. Outside a vLLM worker: True."""
+    try:
+        from vllm.distributed import parallel_state
+    except ImportError:
+        return True
+    if not parallel_state.model_parallel_is_initialized():
+        return True
+    groups = [parallel_state.get_tp_group()]
+    if getattr(parallel_state, "_PCP", None) is not None:
+        groups.append(parallel_state.get_pcp_group())
+    return bool(parallel_state.get_pp_group().is_last_rank) and all(group.rank_in_group == 0 for group in groups)
+
+
 class NgramRLProposer:
     """vLLM ``custom_class`` proposer drafting from per-prompt rollout history.
 
@@ -271,13 +289,18 @@ class NgramRLProposer:
                  clock: Callable[[], int] = time.perf_counter_ns) -> None:
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
+        self.runner: Any = None
+        # Only one worker's drafts reach vLLM's scheduler (``drafts_read_here``): the proposer of
+        # every other tensor-parallel rank answers each step with empty drafts and holds nothing.
+        self.drafts_read = drafts_read_here()
+        if not self.drafts_read:
+            return
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.vocab_size = _vocab_size(vllm_config)
         self.config = config if config is not None else config_from_env(os.environ.get(CONFIG_ENV))
         self.clock = clock
         stops = tuple(sorted(set(self.config.drafter.stop_tokens) | set(_eos_ids(vllm_config))))
         self.drafter_config = DrafterConfig(**{**self.config.drafter.__dict__, "stop_tokens": stops})
-        self.runner: Any = None
         self.requests: dict[str, Any] = {}  # the drafting state of each request; None: no prompt id
         self.epochs: dict[str, int] = {}
         # The tokens each request may reach (prompt + max_tokens), where below max_model_len; a
@@ -403,7 +426,7 @@ class NgramRLProposer:
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: Any, token_ids_cpu: Any,
                 slot_mappings: Any = None) -> list[list[int]]:
         runner = self.runner
-        if runner is None:
+        if runner is None or not self.drafts_read:
             return [[] for _ in sampled_token_ids]
         begin = self.clock()
         req_ids = runner.input_batch.req_ids

@@ -8,35 +8,43 @@ from typing import Any
 EXTENSION = "ngramrl.engine.worker_extension.NgramRLWorkerExtension"
 
 
+def _proposer(runner: Any) -> Any:
+    """The runner's drafter where vLLM reads its drafts; None elsewhere: on the other tensor-parallel
+    ranks an ngramrl proposer holds nothing (``NgramRLProposer.drafts_read``), and on the earlier
+    pipeline stages there is no drafter."""
+    drafter = getattr(runner, "drafter", None)
+    return drafter if getattr(drafter, "drafts_read", True) else None
+
+
 class NgramRLWorkerExtension:
     model_runner: Any  # provided by the vLLM worker this class is mixed into
 
     def ngramrl_stats(self) -> dict[str, Any] | None:
         """The ngramrl proposer's counters, or None when the engine drafts otherwise."""
-        drafter = getattr(self.model_runner, "drafter", None)
+        drafter = _proposer(self.model_runner)
         return drafter.stats_dict() if hasattr(drafter, "stats_dict") else None
 
     def ngramrl_export_state(self) -> dict[str, Any] | None:
         """What the proposer has learned (``NgramRLProposer.export_state``), or None."""
-        drafter = getattr(self.model_runner, "drafter", None)
+        drafter = _proposer(self.model_runner)
         return drafter.export_state() if hasattr(drafter, "export_state") else None
 
     def ngramrl_restore_state(self, state: dict[str, Any]) -> int | None:
         """Give the proposer an exported state; returns the prompts it knows, or None without one."""
-        drafter = getattr(self.model_runner, "drafter", None)
+        drafter = _proposer(self.model_runner)
         return drafter.restore_state(state) if hasattr(drafter, "restore_state") else None
 
     def ngramrl_new_batch(self, prompts: dict[str, list[int]] | None = None) -> None:
         """A new generate call starts, running ``prompts`` (id -> prompt tokens): the proposer may
         refresh what it knows (its copies of the drafter pool's history, restarted shards)."""
-        drafter = getattr(self.model_runner, "drafter", None)
+        drafter = _proposer(self.model_runner)
         if hasattr(drafter, "new_batch"):
             drafter.new_batch(prompts)
 
     def ngramrl_end_batch(self) -> None:
         """A generate call returned with every request done: the proposer stores them now
         (``NgramRLProposer.end_batch``). Only where no other request is in flight (``LLM.generate``)."""
-        drafter = getattr(self.model_runner, "drafter", None)
+        drafter = _proposer(self.model_runner)
         if hasattr(drafter, "end_batch"):
             drafter.end_batch()
 

@@ -88,7 +88,7 @@ class NgramRLRolloutActor(_OpenRLHFRolloutActor):
     async def _ngramrl_metrics(self) -> dict[str, float]:
         """ngramrl's rates over this engine's steps since its last report, for OpenRLHF's logs."""
         try:
-            # with pipeline parallelism only the last stage's worker has a drafter (the others: None)
+            # only the worker whose drafts vLLM reads has a proposer (the others answer None)
             replies = await self.llm.collective_rpc("ngramrl_stats")
             now = counters(next((reply for reply in replies if reply is not None), None))
         except Exception:  # noqa: BLE001 - metrics must never break generation

