@@ -25,12 +25,18 @@ def _skip_shm_build() -> None:
 
 
 class PolicyTrainer:
-    """Create every rank, ask rank 0 for ``rendezvous()``, then call ``setup`` on all ranks at once."""
+    """Create every rank, ask rank 0 for ``rendezvous()``, then call ``setup`` on all ranks at once.
+
+    ``temperature``: the rollouts' sampling temperature. The policy that sampled them is the
+    model's softmax of logits / temperature, so that is the policy whose log-probabilities the
+    loss, its ratios and its KL term take (greedy rollouts, 0, are scored at 1). Top-p and top-k
+    truncation are not applied to the log-probabilities (as in OpenRLHF and verl)."""
 
     def __init__(self, model_dir: str, model: ModelSection, trainer: TrainerSection, batch_per_rank: int, seed: int,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, temperature: float = 1.0) -> None:
         self.args = (model_dir, model, trainer, batch_per_rank, seed, rank, world_size)
         self.rank = rank
+        self.temperature = temperature if temperature > 0 else 1.0
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it (rank 0 hosts the process group)."""
@@ -84,6 +90,8 @@ class PolicyTrainer:
         optimizer = torch.optim.AdamW(policy.parameters(), lr=trainer.learning_rate, weight_decay=0.0)
         self.engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, config=ds_config)
         self.device = self.engine.device
+        if self.reference is not None:  # DeepSpeed moves only the engine's module to the device
+            self.reference.to(self.device)
         self.version = 0
 
     def _batches(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,6 +126,8 @@ class PolicyTrainer:
         keep = batch["keep"]
         logits = model(input_ids=batch["ids"], attention_mask=batch["attention"], position_ids=batch["positions"],
                        logits_to_keep=keep).logits
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         return token_logprobs(logits[:, :-1], batch["ids"][:, -(keep - 1):])
 
     def train_step(self, samples: list[dict[str, Any]]) -> dict[str, float]:
@@ -125,10 +135,11 @@ class PolicyTrainer:
 
         Without a KL term a sample with zero advantage adds exactly zero gradient, so it is not
         computed at all; each micro-batch's loss is scaled so the gradient is still the mean over
-        every sample. Every rank runs the same number of backward passes and optimizer steps,
-        whatever its samples (the gradient all-reduce, and under ZeRO-3 the parameter gathers, are
-        collectives): a micro-batch with no signal is a zero loss over one token, which touches
-        every parameter and adds nothing."""
+        every sample. Every rank runs the same number of forwards, backward passes and optimizer
+        steps, whatever its samples (the gradient all-reduce, and under ZeRO-3 the parameter
+        gathers, are collectives): a micro-batch with no signal is a zero loss over one token, which
+        touches every parameter and adds nothing. A step in which no rank has a sample with signal
+        makes no optimizer step at all: AdamW would still move the weights by its momentum."""
         from ngramrl.pipeline.grpo import grpo_loss
 
         torch = self.torch
@@ -136,13 +147,17 @@ class PolicyTrainer:
         total = len(samples)
         if self.config.kl_coef == 0:
             samples = [s for s in samples if s["advantage"] != 0.0]
+        if not self._any_rank_has(bool(samples)):
+            self.version += 1
+            return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "trained_samples": 0.0,
+                    "train_seconds": time.perf_counter() - begin, "policy_version": self.version}
         batches: list[dict[str, Any] | None] = self._batches(samples) if samples else []
         while len(batches) < self.micro_batches:  # DeepSpeed steps after a fixed number of micro-batches
             batches.append(None)
         on_policy = self.config.updates_per_step == 1  # the rollout policy is the one being updated
         with torch.no_grad():
             self.engine.eval()
-            old = None if on_policy else [b and self._logprobs(self.engine, b) for b in batches]
+            old = None if on_policy else [self._engine_logprobs(b) for b in batches]
             ref = ([b and self._logprobs(self.reference, b) for b in batches] if self.reference is not None
                    else None)
         self.engine.train()
@@ -169,6 +184,22 @@ class PolicyTrainer:
                 "trained_samples": float(len(samples)), "train_seconds": time.perf_counter() - begin,
                 "policy_version": self.version}
 
+    def _any_rank_has(self, signal: bool) -> bool:
+        """Whether any rank has ``signal`` (every rank calls it: an all-reduce)."""
+        import deepspeed.comm as dist
+
+        flag = self.torch.tensor([1.0 if signal else 0.0], device=self.device)
+        dist.all_reduce(flag)
+        return bool(flag.item() > 0)
+
+    def _engine_logprobs(self, batch: dict[str, Any] | None) -> Any:
+        """The policy's log-probabilities of ``batch``; for no batch, a forward of one token all the
+        same (under ZeRO-3 each forward gathers the parameters with the other ranks) and None."""
+        if batch is not None:
+            return self._logprobs(self.engine, batch)
+        self._zero_loss()
+        return None
+
     def _zero_loss(self) -> Any:
         """A loss of exactly zero whose backward reaches every parameter (one token through the model)."""
         torch = self.torch
@@ -191,6 +222,16 @@ class PolicyTrainer:
         chosen = [(name, named[name]) for name in names if name in named]
         with self._gathered([param for _, param in chosen]):
             return {name: float(param.detach().to(as_engine).float().sum()) for name, param in chosen}
+
+    def save_policy(self, path: str) -> None:
+        """Write the policy (HF format, the trainer's dtype) to ``path`` from rank 0: a directory the
+        driver reads too, as the drafter pool's snapshots are. Every rank calls it (a collective
+        under ZeRO-3)."""
+        module = self.engine.module
+        with self._gathered(list(module.parameters())):
+            if self.rank == 0:
+                state = {name: tensor.detach().to("cpu").clone() for name, tensor in module.state_dict().items()}
+                module.save_pretrained(path, state_dict=state)
 
     def weights(self, dtype: str) -> dict[str, Any] | None:
         """The policy's weights in the engines' dtype, by HF name (what vLLM's load_weights takes),

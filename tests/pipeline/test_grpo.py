@@ -44,14 +44,18 @@ def test_kl_penalty_is_zero_at_the_reference_and_positive_away_from_it():
     assert same["kl"] == pytest.approx(0.0) and away["kl"] > 0
 
 
-def test_trainer_batches_score_each_output_token_exactly(tiny_model_dir):
-    """Left padding plus logits_to_keep gives the same log-probabilities as one unpadded sequence."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trainer_batches_score_each_output_token_exactly(tiny_model_dir, temperature):
+    """Left padding plus logits_to_keep gives the same log-probabilities as one unpadded sequence,
+    those of the policy that sampled the rollouts: the softmax of logits / temperature."""
     from transformers import AutoModelForCausalLM
 
+    from ngramrl.pipeline.config import ModelSection, TrainerSection
     from ngramrl.pipeline.trainer import PolicyTrainer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    trainer = object.__new__(PolicyTrainer)
+    trainer = PolicyTrainer(tiny_model_dir, ModelSection(path=tiny_model_dir), TrainerSection(), 3, 0,
+                            temperature=temperature)
     trainer.torch, trainer.micro_batches, trainer.device = torch, 1, torch.device("cpu")
     samples = [{"prompt": [1, 5, 9, 12], "output": [30, 31, 32, 33, 34], "advantage": 1.0},
                {"prompt": [1, 7], "output": [40, 41], "advantage": -1.0},
@@ -66,7 +70,8 @@ def test_trainer_batches_score_each_output_token_exactly(tiny_model_dir):
                 continue
             ids = torch.tensor([sample["prompt"] + sample["output"]])
             logits = model(input_ids=ids).logits[0, len(sample["prompt"]) - 1:-1]
-            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample["output"]).unsqueeze(-1)).squeeze(-1)
+            chosen = torch.tensor(sample["output"]).unsqueeze(-1)
+            want = torch.log_softmax(logits / temperature, -1).gather(-1, chosen).squeeze(-1)
             mask = batch["mask"][i].bool()
             assert mask.sum() == n
             assert torch.allclose(got[i][mask], want, atol=1e-4)

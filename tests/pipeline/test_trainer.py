@@ -1,5 +1,6 @@
-"""The DeepSpeed trainer with two ranks for real (Ray actors, gloo on CPU): ZeRO-2 and ZeRO-3, a
-step in which one rank's samples carry no signal, weights that stay identical on both ranks."""
+"""The DeepSpeed trainer with two ranks for real (Ray actors, gloo on CPU): ZeRO-2 and ZeRO-3 (with
+two updates per step), a step in which one rank's samples carry no signal, then one in which no
+rank's do, weights that stay identical on both ranks."""
 
 import pytest
 
@@ -26,8 +27,10 @@ def samples(advantages):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_step_together_when_one_rank_has_no_signal(cluster, tiny_model_dir, stage):
+    # Two updates per step under ZeRO-3: the rank without signal must still join the forwards that
+    # score the other rank's samples before the first update (each gathers the parameters).
     trainer_section = TrainerSection(num_actors=2, zero_stage=stage, learning_rate=1e-2, micro_batch_size=2,
-                                     threads=1)
+                                     threads=1, updates_per_step=2 if stage == 3 else 1)
     remote = ray.remote(num_cpus=0)(PolicyTrainer)
     ranks = [remote.remote(tiny_model_dir, ModelSection(path=tiny_model_dir), trainer_section, 4, 0, rank, 2)
              for rank in range(2)]
@@ -50,6 +53,11 @@ def test_two_ranks_step_together_when_one_rank_has_no_signal(cluster, tiny_model
         full = {n: float(t.float().sum()) for n, t in weights[0].items()}
         for name, value in after[0].items():  # rank 0 hands out the whole, gathered policy
             assert full[name] == pytest.approx(value, rel=1e-3, abs=1e-3), name
+        # A step without signal on any rank leaves the policy as it was (AdamW's momentum would move it)
+        metrics = ray.get([rank.train_step.remote(samples([0.0, 0.0, 0.0, 0.0])) for rank in ranks],
+                          timeout=WAIT_S)
+        assert [m["trained_samples"] for m in metrics] == [0, 0]
+        assert ray.get([r.param_sums.remote(names, "bfloat16") for r in ranks], timeout=WAIT_S) == after
     finally:
         for rank in ranks:
             ray.kill(rank)
