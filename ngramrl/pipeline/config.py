@@ -266,10 +266,15 @@ class RunSection:
     # metrics and drafter pool go on, epochs continue) or overwrite (delete the earlier run's files).
     if_exists: str = "refuse"
     timeout_s: float = 1800.0          # the longest one phase may wait on the actors (start-up, rollouts, training)
+    # The trained policy is saved in output_dir/policy at the run's end and on Ctrl-C; also every
+    # this many steps (0: not between), which bounds what a crash costs.
+    save_policy_every: int = 0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.save_policy_every < 0:
+            raise ValueError(f"save_policy_every must be >= 0 (0: only at the end), got {self.save_policy_every}")
         if self.if_exists not in IF_EXISTS:
             raise ValueError(f"if_exists must be one of {', '.join(IF_EXISTS)}, got {self.if_exists!r}")
         if self.timeout_s <= 0:
@@ -299,6 +304,11 @@ class TrainConfig:
         if self.workload.prompts < self.rollout.prompts_per_step:
             raise ValueError(f"workload.prompts ({self.workload.prompts}) must be >= rollout.prompts_per_step "
                              f"({self.rollout.prompts_per_step})")
+        if self.trainer.precision == "fp32" and self.model.train_dtype != "float32":
+            # DeepSpeed keeps float32 master weights only for its bf16 mode: AdamW would update the
+            # low-precision weights in place, and most small updates would round away
+            raise ValueError(f"model.train_dtype {self.model.train_dtype} needs trainer.precision bf16 (float32 "
+                             f"master weights); with trainer.precision fp32 set model.train_dtype float32")
         needed = self.cpus_needed()
         if self.ray.address is None and self.ray.num_cpus is not None and self.ray.num_cpus < needed:
             # Ray would never place every actor: the run would wait out run.timeout_s instead

@@ -6,6 +6,8 @@ Each step samples ``prompts_per_step`` prompts (revisiting the workload's prompt
 history warms), generates ``samples_per_prompt`` rollouts of each on the rollout workers, adds
 them to the drafter pool, scores them, trains the policy on them and sends the new weights to
 the workers. The history is not flushed when the policy changes: its bounded window keeps it fresh.
+The trained policy is saved in the run directory (``policy/``) at the end, every
+``run.save_policy_every`` steps and on Ctrl-C; a resumed run trains on from it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -28,7 +31,16 @@ from ngramrl.pipeline.metrics import draft_rates, ratio
 from ngramrl.pipeline.pool import DrafterPool
 from ngramrl.pipeline.report import write_report
 from ngramrl.pipeline.rewards import reward
-from ngramrl.pipeline.rundir import METRICS_FILE, POOL_DIR, SUMMARY_FILE, TRACE_FILE, plan_run_dir
+from ngramrl.pipeline.rundir import (
+    METRICS_FILE,
+    POLICY_DIR,
+    POLICY_FILE,
+    POOL_DIR,
+    SUMMARY_FILE,
+    TRACE_FILE,
+    EarlierRun,
+    plan_run_dir,
+)
 from ngramrl.pipeline.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -156,6 +168,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
                 else functools.partial(reward, config.workload.name))
     earlier = plan.prepare()
     output_dir = plan.path
+    start_dir = _starting_policy(earlier, model_dir)
     with open(plan.config_file(), "w") as handle:
         json.dump(config.to_dict(), handle, indent=1)
 
@@ -177,6 +190,10 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
     trace: TraceWriter | None = None
     records: list[StepRecord] = []
     step = earlier.next_step
+    # Steps whose training was handed to the trainers: a save asked for after them holds their
+    # updates (an actor runs its calls in order), and the trace holds exactly their rollouts.
+    trained_steps = saved_steps = earlier.next_step
+    trainers: list[Any] = []
     actors: list[Any] = []
     limit = run.timeout_s
     try:
@@ -191,7 +208,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
                 logger.info("drafter pool restored from %s: %d prompts", restore_from, restored)
         worker_class = ray.remote(num_cpus=rollout.num_cpus_per_engine, num_gpus=rollout.num_gpus_per_engine,
                                   runtime_env=_threads_env(rollout.threads))(RolloutWorker)
-        workers = [worker_class.remote(i, model_dir, rollout, config.ngramrl, pool.settings() if pool else None,
+        workers = [worker_class.remote(i, start_dir, rollout, config.ngramrl, pool.settings() if pool else None,
                                        config.model.rollout_dtype, run.seed) for i in range(rollout.engines)]
         actors.extend(workers)
         world = config.trainer.num_actors
@@ -199,8 +216,8 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         trainer_class = ray.remote(num_cpus=config.trainer.num_cpus_per_actor,
                                    num_gpus=config.trainer.num_gpus_per_actor,
                                    runtime_env=_threads_env(config.trainer.threads))(PolicyTrainer)
-        trainers = [trainer_class.remote(model_dir, config.model, config.trainer, batch // world, run.seed, rank, world)
-                    for rank in range(world)]
+        trainers = [trainer_class.remote(start_dir, config.model, config.trainer, batch // world, run.seed, rank, world,
+                                         rollout.temperature) for rank in range(world)]
         actors.extend(trainers)
         master, port = _wait(ray, trainers[0].rendezvous.remote(), "the trainer's rendezvous", min(limit, 300))
         trainer_ready = [t.setup.remote(master, port) for t in trainers]
@@ -243,6 +260,15 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             texts = tokenizer.batch_decode([r.output for r in step_rollouts], skip_special_tokens=True)
             scores = [score_fn(text, references[r.prompt_id]) for text, r in zip(texts, step_rollouts, strict=True)]
             advantages = group_advantages(scores, [r.prompt_id for r in step_rollouts])
+            progress.set_description(f"step {step}: training")
+            samples = [{"prompt": r.prompt, "output": r.output, "advantage": a}
+                       for r, a in zip(step_rollouts, advantages, strict=True)]
+            share = len(samples) // world
+            training = [t.train_step.remote(samples[rank * share:(rank + 1) * share])
+                        for rank, t in enumerate(trainers)]
+            trained_steps = step + 1
+            # The step's rollouts enter the trace once its training is under way (a run stopped
+            # before leaves the step to its resumption), and the pool during the training.
             for r, score in zip(step_rollouts, scores, strict=True):
                 r.reward, r.policy_version = score, step
                 trace.add(r)
@@ -251,12 +277,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             if pool is not None:
                 pool.heal()
                 pool.add_rollouts(step_rollouts)
-            progress.set_description(f"step {step}: training")
-            samples = [{"prompt": r.prompt, "output": r.output, "advantage": a}
-                       for r, a in zip(step_rollouts, advantages, strict=True)]
-            share = len(samples) // world
-            train_metrics = _wait(ray, [t.train_step.remote(samples[rank * share:(rank + 1) * share])
-                                        for rank, t in enumerate(trainers)], f"step {step}'s training", limit)
+            train_metrics = _wait(ray, training, f"step {step}'s training", limit)
             progress.set_description(f"step {step}: weights")
             sync_begin = time.perf_counter()
             gathered = [t.weights.remote(engine_dtype) for t in trainers]  # every rank joins the gather (ZeRO-3)
@@ -266,6 +287,8 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             sync_error, checksum = _weight_sync_error(ray, trainers, workers, engine_dtype, min(limit, 300))
             if pool is not None and config.pool.save_every and (step + 1) % config.pool.save_every == 0:
                 pool.save()
+            if run.save_policy_every and (step + 1) % run.save_policy_every == 0:
+                saved_steps = _save_policy(ray, trainers, tokenizer, output_dir, trained_steps, limit)
             health = pool.health() if pool is not None else []
             record = _record(step, scores, train_metrics, metrics, rollout_seconds, sync_seconds,
                              restarts=(pool.restarts if pool else 0), healthy=sum(h is not None for h in health))
@@ -276,6 +299,8 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             progress.write(record.line())
             progress.update(1)
         progress.close()
+        if saved_steps != trained_steps:
+            _save_policy(ray, trainers, tokenizer, output_dir, trained_steps, limit)
         _write_summary(output_dir, earlier.records, records)
         result = TrainResult(records, trace.path, output_dir, trace.rollouts, tracker.directory)
         result.report_path, summary = write_report(output_dir, earlier.records + [asdict(r) for r in records],
@@ -283,7 +308,10 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         tracker.log_report(result.report_path, summary)
         return result
     except KeyboardInterrupt:
-        _save_interrupted(output_dir, step, earlier.records, records, trace, pool)
+        save_policy = None
+        if trained_steps != saved_steps:
+            save_policy = functools.partial(_save_policy, ray, trainers, tokenizer, output_dir, trained_steps, limit)
+        _save_interrupted(output_dir, step, earlier.records, records, trace, pool, save_policy)
         raise
     finally:
         tracker.finish()
@@ -303,8 +331,44 @@ def _write_summary(output_dir: str, before: list[dict[str, Any]], records: list[
         json.dump(before + [asdict(r) for r in records], handle, indent=1)
 
 
+def _starting_policy(earlier: EarlierRun, model_dir: str) -> str:
+    """The weights a run starts from: those its earlier run saved where it resumes one, else
+    ``model.path``'s. A resumed run whose policy lags its trace (the run before stopped without
+    saving it, as a crash does; ``run.save_policy_every`` bounds the loss) is said so."""
+    if earlier.next_step == 0:
+        return model_dir
+    if earlier.policy_dir is None:
+        logger.warning("the resumed run's %d steps saved no policy (%s/): training restarts from model.path's "
+                       "weights", earlier.next_step, POLICY_DIR)
+        return model_dir
+    if earlier.policy_steps != earlier.next_step:
+        logger.warning("the resumed run's policy (%s/) was saved after step %d of its %d: training goes on from it",
+                       POLICY_DIR, earlier.policy_steps - 1, earlier.next_step)
+    return earlier.policy_dir
+
+
+def _save_policy(ray: Any, trainers: list[Any], tokenizer: Any, output_dir: str, steps: int, timeout_s: float) -> int:
+    """Write the policy trained by ``steps`` steps to ``<output_dir>/policy`` (HF format with the
+    tokenizer: ``model.path`` can name it), replacing the one there only once it is complete.
+    Every trainer rank joins (a collective under ZeRO-3); rank 0 writes. Returns ``steps``."""
+    final = os.path.join(output_dir, POLICY_DIR)
+    staging, replaced = final + ".saving", final + ".replaced"
+    for path in (staging, replaced):
+        shutil.rmtree(path, ignore_errors=True)
+    _wait(ray, [t.save_policy.remote(staging) for t in trainers], "saving the policy", timeout_s)
+    tokenizer.save_pretrained(staging)
+    with open(os.path.join(staging, POLICY_FILE), "w") as handle:
+        json.dump({"steps": steps}, handle)
+    if os.path.exists(final):
+        os.replace(final, replaced)
+    os.replace(staging, final)
+    shutil.rmtree(replaced, ignore_errors=True)
+    return steps
+
+
 def _save_interrupted(output_dir: str, step: int, before: list[dict[str, Any]], records: list[StepRecord],
-                      trace: TraceWriter | None, pool: DrafterPool | None) -> None:
+                      trace: TraceWriter | None, pool: DrafterPool | None,
+                      save_policy: Callable[[], int] | None = None) -> None:
     """SIGINT: keep what the finished steps made, and say what was kept."""
     import sys
 
@@ -317,6 +381,13 @@ def _save_interrupted(output_dir: str, step: int, before: list[dict[str, Any]], 
         failed = [str(index) for index, path in enumerate(pool.save(timeout_s=30)) if path is None]
         saved.append(f"{POOL_DIR}/ (the drafter pool" + (f"; shards {', '.join(failed)} could not save now"
                                                          if failed else "") + ")")
+    if save_policy is not None:  # last: the trainers may still be finishing a step's update
+        print(f"ngramrl train: interrupted; saved {', '.join(saved)}; saving the policy (Ctrl-C again to stop "
+              f"without it)", file=sys.stderr, flush=True)
+        try:
+            saved.append(f"{POLICY_DIR}/ (the policy after {save_policy()} steps)")
+        except Exception as err:  # noqa: BLE001 - what else was saved is still said
+            saved.append(f"not the policy ({err})")
     print(f"ngramrl train: interrupted in step {step}; saved {', '.join(saved)} in {output_dir}; continue it "
           f"with --resume", file=sys.stderr, flush=True)
 

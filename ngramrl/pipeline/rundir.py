@@ -31,7 +31,11 @@ POOL_DIR = "pool"
 WANDB_DIR = "wandb"
 REPORT_PNG = "report.png"
 REPORT_JSON = "report.json"
-RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TRACE_FILE, POOL_DIR, WANDB_DIR, REPORT_PNG, REPORT_JSON)
+POLICY_DIR = "policy"  # the trained policy (HF format), with POLICY_FILE: how many steps trained it
+POLICY_FILE = "ngramrl_policy.json"
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TRACE_FILE, POOL_DIR, WANDB_DIR, REPORT_PNG, REPORT_JSON,
+             POLICY_DIR)
+DIRECTORIES = (POOL_DIR, WANDB_DIR, POLICY_DIR)
 RESUMED_CONFIG = "config-resume-{}.json"
 
 
@@ -45,6 +49,8 @@ class EarlierRun:
     records: list[dict[str, Any]] = field(default_factory=list)  # summary.json so far
     pool_dir: str | None = None                                  # its drafter pool snapshots
     resumes: int = 0                                             # earlier resumptions of it
+    policy_dir: str | None = None                                # the policy it saved
+    policy_steps: int = 0                                        # the steps that trained that policy
 
 
 @dataclass
@@ -67,6 +73,8 @@ class RunDirPlan:
                 shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
             for stale in glob.glob(self.file(TRACE_FILE + ".tmp-*")):
                 os.remove(stale)
+            for stale in glob.glob(self.file(POLICY_DIR + ".*")):  # a save cut short
+                shutil.rmtree(stale, ignore_errors=True)
             return EarlierRun()
         return self.earlier
 
@@ -114,6 +122,15 @@ def read_earlier_run(path: str) -> EarlierRun:
     if glob.glob(os.path.join(path, POOL_DIR, "shard-*.json.gz")):
         earlier.pool_dir = os.path.join(path, POOL_DIR)
     earlier.resumes = len(glob.glob(os.path.join(path, RESUMED_CONFIG.format("*"))))
+    policy_file = os.path.join(path, POLICY_DIR, POLICY_FILE)
+    if os.path.exists(policy_file):
+        try:
+            with open(policy_file, encoding="utf-8") as handle:
+                earlier.policy_steps = int(json.load(handle)["steps"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"{policy_file}: cannot be read to resume the run ({err}); it says how many "
+                              f"steps trained the policy saved beside it") from None
+        earlier.policy_dir = os.path.join(path, POLICY_DIR)
     return earlier
 
 
@@ -125,7 +142,7 @@ def plan_run_dir(config: TrainConfig) -> RunDirPlan:
     path = outputs.directory(run.output_dir, "run.output_dir")
     for name in RUN_FILES:
         target = os.path.join(path, name)
-        wants_dir = name in (POOL_DIR, WANDB_DIR)
+        wants_dir = name in DIRECTORIES
         if os.path.exists(target) and os.path.isdir(target) != wants_dir:
             kind = "a file" if wants_dir else "a directory"
             raise ConfigError(f"run.output_dir {run.output_dir!r}: {target} is {kind}; the run writes "

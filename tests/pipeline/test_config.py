@@ -189,6 +189,8 @@ def test_an_empty_section_holds_its_defaults_and_takes_overrides(tmp_path, overr
     ("rollout.temperature=.nan", "rollout.temperature must be a number, got nan"),
     ("run.timeout_s=.NaN", "run.timeout_s must be a number, got nan"),
     ("trainer.learning_rate=.nan", "trainer.learning_rate must be a number, got nan"),
+    ("model.train_dtype=bfloat16", "model.train_dtype bfloat16 needs trainer.precision bf16"),
+    ("run.save_policy_every=-1", "run: save_policy_every must be >= 0"),
 ])
 def test_settings_that_cannot_run_are_refused(override, message):
     with pytest.raises(ConfigError) as err:

@@ -23,6 +23,8 @@ def earlier_run(out):
     (out / "config.json").write_text("{}")
     for index in range(2):  # the default pool.shards
         DrafterShard(index, NgramRLConfig(), shards=2).save(str(out / "pool" / f"shard-{index}.json.gz"))
+    (out / "policy").mkdir()  # the policy it saved after its last step
+    (out / "policy" / "ngramrl_policy.json").write_text(json.dumps({"steps": 3}))
     (out / "notes.txt").write_text("mine")
     return out
 
@@ -42,6 +44,7 @@ def test_overwrite_deletes_the_earlier_runs_files_only(tmp_path):
     out = earlier_run(tmp_path / "run")
     for name in ("report.png", "report.json", "config-resume-1.json"):  # its report, a resumption's config
         (out / name).write_text("{}")
+    (out / "policy.saving").mkdir()  # a policy save cut short
     overwrite = plan(out, "run.if_exists=overwrite")
     earlier = overwrite.prepare()
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
@@ -57,12 +60,13 @@ def test_resume_continues_steps_and_each_prompts_epochs(tmp_path):
     assert earlier.next_epoch == {"a": 2, "b": 1}
     assert len(earlier.rollouts) == 6 and len(earlier.records) == 3
     assert earlier.pool_dir == str(out / "pool")
+    assert earlier.policy_dir == str(out / "policy") and earlier.policy_steps == 3
     assert resumed.config_file() == str(out / "config-resume-1.json")
     (out / "config-resume-1.json").write_text("{}")
     assert resumed.config_file() == str(out / "config-resume-2.json")
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["rollouts.jsonl.gz", "metrics.jsonl", "summary.json", "config.json", "config-resume-1.json", "pool",
-         "notes.txt"])  # nothing deleted
+         "policy", "notes.txt"])  # nothing deleted
 
 
 def test_resume_into_an_empty_directory_is_a_new_run(tmp_path):
@@ -73,6 +77,7 @@ def test_resume_into_an_empty_directory_is_a_new_run(tmp_path):
 @pytest.mark.parametrize("damaged, content, message", [
     ("metrics.jsonl", '{"step": 0}\nnot json\n', r"metrics.jsonl:2: not a metrics record"),
     ("rollouts.jsonl.gz", "garbage", r"rollouts.jsonl.gz"),
+    ("policy/ngramrl_policy.json", "{}", r"ngramrl_policy.json: cannot be read to resume the run"),
 ])
 def test_a_damaged_earlier_run_is_reported_by_the_plan_that_check_makes(tmp_path, damaged, content, message):
     out = earlier_run(tmp_path / "run")

