@@ -56,6 +56,22 @@ def test_spider_reward_executes_both_queries(spider_dir):
     assert extract_sql("Here you go: SELECT a FROM b; -- done") == "SELECT a FROM b"
 
 
+def test_spider_reward_reads_whole_statements_and_a_broken_gold_query_scores_zero(tmp_path):
+    import sqlite3
+
+    db = str(tmp_path / "shop.sqlite")
+    with sqlite3.connect(db) as connection:
+        connection.execute("CREATE TABLE item (name TEXT)")
+        connection.executemany("INSERT INTO item VALUES (?)", [("a;b",), ("c",)])
+    gold = {"db_path": db, "gold_sql": "SELECT name FROM item WHERE name = 'a;b'", "db_id": "shop"}
+    # a ';' inside a string literal does not end the statement
+    assert extract_sql("SELECT name FROM item WHERE name = 'a;b'; -- done") == gold["gold_sql"]
+    assert spider_reward("```sql\nSELECT name FROM item WHERE name = 'a;b';\n```", gold) == 1.0
+    # a gold query that does not run scores the sample 0 (the run goes on), whatever it says
+    broken = {**gold, "gold_sql": "SELECT name FROM no_such_table"}
+    assert spider_reward("SELECT name FROM item", broken) == 0.0
+
+
 def test_spider_reward_never_writes(spider_dir):
     task = next(t for t in spider_tasks(spider_dir, 20, seed=3) if _rows(t))
     before = _rows(task)
