@@ -3,8 +3,9 @@
 A shard is fed by whoever finishes rollouts: the training loop's driver, or (with OpenRLHF) the
 engines themselves. Writing each batch to a file beside the shard's snapshot before taking it
 means a shard that dies is rebuilt from its snapshot plus its journal, whoever fed it, with
-nothing held elsewhere. A snapshot empties the journal; a torn last line (the shard died while
-writing it) is left out.
+nothing held elsewhere. A snapshot empties the journal. A torn last line (the shard died while
+writing it) is left out by ``read`` and cut off by the next ``append``, so the batches written
+after it stay lines of their own.
 """
 
 from __future__ import annotations
@@ -12,10 +13,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import BinaryIO
 
 logger = logging.getLogger(__name__)
 
 Record = tuple[str, list[int], list[int], int]  # (prompt id, prompt, output, epoch)
+
+# Every batch line starts so (a list of records whose first field is a JSON string); inside a
+# line it cannot occur, since a record's other fields are flat lists of ints and a quote inside a
+# string is escaped.
+BATCH_START = '[["'
+TAIL_CHUNK = 1 << 16  # bytes read at a time looking back for the last complete line
 
 
 class RolloutJournal:
@@ -29,9 +37,34 @@ class RolloutJournal:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         line = json.dumps([[prompt_id, list(prompt), list(output), int(epoch)]
                            for prompt_id, prompt, output, epoch in records], separators=(",", ":"))
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(line + "\n")
+        with open(self.path, "ab+") as handle:
+            self._cut_torn_tail(handle)
+            handle.write(line.encode("utf-8") + b"\n")
             handle.flush()
+
+    def _cut_torn_tail(self, handle: BinaryIO) -> None:
+        """A write cut short (the shard died in it) leaves a last line without its newline; a batch
+        written after it would join it in one line that is no journal entry, failing every later
+        ``read``. The fragment is never a whole batch: cut it off, back to the last complete line."""
+        end = handle.seek(0, os.SEEK_END)
+        if end == 0:
+            return
+        handle.seek(end - 1)
+        if handle.read(1) == b"\n":
+            return
+        keep, position = 0, end
+        while position > 0:
+            start = max(0, position - TAIL_CHUNK)
+            handle.seek(start)
+            newline = handle.read(position - start).rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            position = start
+        logger.warning("%s: the last line is torn (the shard died writing it); its %d bytes are cut off",
+                       self.path, end - keep)
+        handle.truncate(keep)
+        handle.seek(0, os.SEEK_END)
 
     def read(self) -> list[Record]:
         """Every rollout written since the last reset, in order."""
@@ -46,10 +79,15 @@ class RolloutJournal:
             try:
                 batch = json.loads(line)
             except ValueError:
-                if number == len(lines) or all(not rest.strip() for rest in lines[number:]):
+                batch = batch_after_torn_write(line)
+                if batch is not None:
+                    logger.warning("%s: line %d starts with a torn write (the shard died writing it) that the next "
+                                   "batch was written after; the torn part is left out", self.path, number)
+                elif number == len(lines) or all(not rest.strip() for rest in lines[number:]):
                     logger.warning("%s: line %d is torn (the shard died writing it); left out", self.path, number)
                     break
-                raise ValueError(f"{self.path}: line {number} is not a journal entry") from None
+                else:
+                    raise ValueError(f"{self.path}: line {number} is not a journal entry") from None
             records.extend((str(p), list(prompt), list(output), int(epoch)) for p, prompt, output, epoch in batch)
         return records
 
@@ -57,3 +95,16 @@ class RolloutJournal:
         """A snapshot now holds everything: start an empty journal."""
         if os.path.exists(self.path):
             os.remove(self.path)
+
+
+def batch_after_torn_write(line: str) -> list | None:
+    """The whole batch ending ``line`` when a torn write precedes it on the line (a batch appended
+    to a journal whose torn tail was not cut off), else None."""
+    start = line.rfind(BATCH_START, 1)
+    if start < 0:
+        return None
+    try:
+        batch = json.loads(line[start:])
+    except ValueError:
+        return None
+    return batch if isinstance(batch, list) else None
