@@ -6,6 +6,7 @@ import contextvars
 import copy
 import hashlib
 import json
+import logging
 import os
 from typing import Any
 
@@ -13,13 +14,15 @@ from openrlhf.trainer.ray import vllm_engine
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
 from ngramrl.engine.worker_extension import NgramRLWorkerExtension
+from ngramrl.pipeline.feed import ShardFeed
 from ngramrl.pipeline.metrics import counters, delta, draft_rates
-from ngramrl.pipeline.pool import PoolSettings, shard_of
+from ngramrl.pipeline.pool import PoolSettings
 from ngramrl.pipeline.pool_proposer import POOL_ENV
 
 # The class OpenRLHF decorated with @ray.remote.
 _OpenRLHFRolloutActor = vllm_engine.RolloutRayActor.__ray_metadata__.modified_class.__mro__[1]
 _prompt = contextvars.ContextVar("ngramrl_prompt", default=None)
+logger = logging.getLogger("ngramrl")
 
 
 def prompt_id_for(prompt: Any, label: Any = None) -> str:
@@ -35,11 +38,13 @@ class NgramRLWorkerWrap(WorkerWrap, NgramRLWorkerExtension):
 class NgramRLRolloutActor(_OpenRLHFRolloutActor):
     async def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._ngramrl_epochs: dict[str, int] = {}
-        self._ngramrl_handles: dict[int, Any] = {}
         self._ngramrl_last: dict[str, float] = {}
         settings = os.environ.get(POOL_ENV)
-        self._ngramrl_pool = PoolSettings.from_json(settings) if settings else None
-        self._ngramrl_rollouts_sent = 0
+        self._ngramrl_feed: ShardFeed | None = None
+        if settings:
+            import ray
+
+            self._ngramrl_feed = ShardFeed(PoolSettings.from_json(settings), ray)
         await super().__init__(*args, **kwargs)
 
     async def generate_responses(self, prompt: Any, label: Any, sampling_params: Any, max_length: int,
@@ -65,25 +70,12 @@ class NgramRLRolloutActor(_OpenRLHFRolloutActor):
         params = copy.deepcopy(sampling_params)
         params.extra_args = {**(params.extra_args or {}), "prompt_id": prompt_id, "epoch": epoch}
         output = await super().generate(prompt_token_ids, params, multi_modal_data)
-        if output is not None and output.outputs:
-            self._ngramrl_feed(prompt_id, list(prompt_token_ids), list(output.outputs[0].token_ids), epoch)
+        if output is not None and output.outputs and self._ngramrl_feed is not None:
+            try:  # to the shard that owns the prompt, without waiting (ShardFeed)
+                self._ngramrl_feed.send(prompt_id, list(prompt_token_ids), list(output.outputs[0].token_ids), epoch)
+            except Exception:  # noqa: BLE001 - the pool only serves drafts: it must never break generation
+                logger.exception("ngramrl: a rollout did not go to the drafter pool")
         return output
-
-    def _ngramrl_feed(self, prompt_id: str, prompt: list[int], output: list[int], epoch: int) -> None:
-        """A finished rollout goes to the shard that owns its prompt (fire and forget)."""
-        pool = self._ngramrl_pool
-        if pool is None:
-            return
-        import ray
-
-        shard = shard_of(prompt_id, len(pool.names))
-        try:
-            handle = self._ngramrl_handles.get(shard) or ray.get_actor(pool.names[shard], namespace=pool.namespace)
-            handle.add_rollouts.remote([(prompt_id, prompt, output, epoch)])
-            self._ngramrl_handles[shard] = handle
-            self._ngramrl_rollouts_sent += 1
-        except Exception:  # noqa: BLE001 - a missing shard only costs drafts; the pool rebuilds it
-            self._ngramrl_handles.pop(shard, None)
 
     async def _ngramrl_metrics(self) -> dict[str, float]:
         """ngramrl's rates over this engine's steps since its last report, for OpenRLHF's logs."""
