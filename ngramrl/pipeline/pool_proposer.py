@@ -88,11 +88,10 @@ class PoolSource(CoreSource):
         super().__init__(config, drafter, k, background, budget_grows, threads, cores)
         self.settings = settings
         self.ray = connect_ray(settings)
-        from ray.exceptions import RayError
-
-        self.ray_error = RayError
+        self.ray_error = self.ray.exceptions.RayError
         shards = len(settings.names)
         self.handles: list[Any | None] = [None] * shards
+        self.look_up = [True] * shards  # shards whose name is looked up again at their next call
         self.retry_at = [0.0] * shards
         self.synced: dict[str, Synced] = {}       # each copy here: as of which sync
         self.live: dict[str, int] = {}            # live requests per prompt here
@@ -117,6 +116,9 @@ class PoolSource(CoreSource):
         ``batch_sync_s``: a shard that hangs delays the call that long, then its prompts' answers
         enter at a later step), and count as current until the next call (their requests start
         without a sync)."""
+        # The pool rebuilds a shard that died (or hung) under its name between generate calls, and
+        # a handle to the lost actor would fail every sync of this call: look every shard up again.
+        self.look_up = [True] * len(self.handles)
         self.retry_at = [0.0] * len(self.retry_at)
         self.current = set()
         if prompts:
@@ -131,22 +133,25 @@ class PoolSource(CoreSource):
     # -- shards -------------------------------------------------------------------------------
 
     def _handle(self, shard: int) -> Any | None:
-        handle = self.handles[shard]
-        if handle is not None or time.monotonic() < self.retry_at[shard]:
-            return handle
+        if not self.look_up[shard] or time.monotonic() < self.retry_at[shard]:
+            return self.handles[shard]
         try:
             handle = self.ray.get_actor(self.settings.names[shard], namespace=self.settings.namespace)
         except ValueError:  # not (yet) restarted by the pool
+            self.handles[shard] = None
             self.retry_at[shard] = time.monotonic() + self.settings.retry_after_s
             return None
-        self.handles[shard] = handle
-        self.client.reconnects += 1
+        self.look_up[shard] = False
+        if handle != self.handles[shard]:  # a new actor under the name (handles compare by actor id)
+            self.handles[shard] = handle
+            self.client.reconnects += 1
         return handle
 
     def _shard_failed(self, shard: int) -> None:
         self.client.errors += 1
         self.handles[shard] = None
-        self.retry_at[shard] = time.monotonic()  # look the name up again (the pool may have restarted it)
+        self.look_up[shard] = True  # the pool may have restarted it under its name
+        self.retry_at[shard] = time.monotonic()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -179,32 +184,34 @@ class PoolSource(CoreSource):
 
     def _sync(self, prompts: dict[str, list[int]], wait_s: float) -> None:
         """Ask the shards what the copies of ``prompts`` (id -> prompt tokens; those asked already
-        excepted) lack, one call per shard, and wait up to ``wait_s`` for the answers (those in by
-        then enter the core)."""
+        excepted) lack, one call per shard, and wait up to ``wait_s`` for these answers (those in by
+        then enter the core, with any earlier answer that came meanwhile). Answers still out from
+        earlier calls are not waited for: a slow shard would hold up every later call that long."""
         by_shard: dict[int, dict[str, list[int]]] = {}
         for prompt_id, prompt in prompts.items():
             if prompt_id not in self.asked:
                 by_shard.setdefault(shard_of(prompt_id, len(self.handles)), {})[prompt_id] = prompt
-        for shard, asked in by_shard.items():
-            self._ask(shard, asked)
-        if by_shard and self.syncs and wait_s > 0:
-            self.ray.wait([sync.ref for sync in self.syncs], num_returns=len(self.syncs), timeout=wait_s)
+        refs = [ref for shard, asked in by_shard.items() if (ref := self._ask(shard, asked)) is not None]
+        if refs and wait_s > 0:
+            self.ray.wait(refs, num_returns=len(refs), timeout=wait_s)
             self._take_answers()
 
-    def _ask(self, shard: int, prompts: dict[str, list[int]]) -> None:
+    def _ask(self, shard: int, prompts: dict[str, list[int]]) -> Any | None:
+        """Send the shard its sync call; its answer's ref, None where the shard is down."""
         handle = self._handle(shard)
         if handle is None:
             self.client.down_prompts += len(prompts)
-            return
+            return None
         try:
             ref = handle.sync.remote(list(prompts), copies_held(self.core, self.synced, list(prompts)))
         except self.ray_error:
             self._shard_failed(shard)
             self.client.down_prompts += len(prompts)
-            return
+            return None
         self.client.calls += 1
         self.asked.update(prompts)
         self.syncs.append(_Sync(shard, ref, prompts, time.perf_counter()))
+        return ref
 
     # -- steps --------------------------------------------------------------------------------
 

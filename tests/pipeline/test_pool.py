@@ -2,6 +2,7 @@
 
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -345,3 +346,119 @@ def test_a_generate_call_waits_for_a_hung_shard_only_so_long(local_ray):
         assert source.core.rollout_count("p") == 1 and source.client.late >= 1
     finally:
         local_ray.kill(shard, no_restart=True)
+
+
+class FakeRayError(Exception):
+    """Stands in for ``ray.exceptions.RayError``: a call to an actor that died."""
+
+
+class FakeRef:
+    def __init__(self, answer=None, error=None, ready=True):
+        self.answer, self.error, self.ready = answer, error, ready
+
+
+class FakeShardActor:
+    """A shard actor as ``PoolSource`` calls it (``handle.sync.remote``), answering in this process:
+    at once, only once ``release``d (a slow shard), or with a failure (``dead``: an actor that died)."""
+
+    def __init__(self, shard, slow=False):
+        self.shard, self.slow, self.dead = shard, slow, False
+        self.refs = []
+        self.sync = SimpleNamespace(remote=self._sync)
+
+    def _sync(self, prompt_ids, copies):
+        if self.dead:
+            ref = FakeRef(error=FakeRayError("the actor died"))
+        else:
+            ref = FakeRef(answer=self.shard.sync(prompt_ids, copies), ready=not self.slow)
+        self.refs.append(ref)
+        return ref
+
+    def release(self):
+        for ref in self.refs:
+            ref.ready = True
+
+
+class FakeRay:
+    """What ``PoolSource`` uses of Ray, over ``FakeShardActor``s registered by name."""
+
+    exceptions = SimpleNamespace(RayError=FakeRayError)
+
+    def __init__(self):
+        self.actors = {}
+
+    def get_actor(self, name, namespace=None):
+        if name not in self.actors:
+            raise ValueError(f"Failed to look up actor with name '{name}'")
+        return self.actors[name]
+
+    def wait(self, refs, num_returns, timeout):
+        deadline = time.monotonic() + timeout
+        while sum(ref.ready for ref in refs) < num_returns and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return [ref for ref in refs if ref.ready], [ref for ref in refs if not ref.ready]
+
+    def get(self, ref, timeout=None):
+        if ref.error is not None:
+            raise ref.error
+        return ref.answer
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    import ngramrl.pipeline.pool_proposer as pool_proposer
+
+    ray = FakeRay()
+    monkeypatch.setattr(pool_proposer, "connect_ray", lambda settings: ray)
+    return ray
+
+
+def fake_source(names, **settings):
+    from ngramrl.pipeline.pool import PoolSettings
+    from ngramrl.pipeline.pool_proposer import PoolSource
+
+    return PoolSource(PoolSettings(names, "ngramrl-test-pool", **settings), NgramRLConfig(),
+                      DrafterConfig(stop_tokens=(99,)), 4, background=False)
+
+
+def test_a_generate_call_syncs_with_the_shard_the_pool_rebuilt_since_the_last_call(fake_ray):
+    """The pool rebuilds a shard that died under its name between generate calls: the next call
+    looks the name up again and syncs with the new actor, not through the handle to the lost one
+    (whose failed sync would leave the call's prompts their old copies for the whole call)."""
+    lost = FakeShardActor(shard_with_history())
+    fake_ray.actors["s0"] = lost
+    source = fake_source(["s0"])
+    source.new_batch({"p": PROMPT})
+    assert source.core.rollout_count("p") == 3 and source.client.reconnects == 1
+    lost.dead = True
+    rebuilt = shard_with_history()
+    rebuilt.add_rollouts([("p", PROMPT, REPEAT[:2] + [30, 99], 1)])
+    fake_ray.actors["s0"] = FakeShardActor(rebuilt)
+    source.new_batch({"p": PROMPT})
+    assert source.client.errors == 0 and source.client.down_prompts == 0 and "p" in source.current
+    assert windows(source.core, ["p"]) == windows(rebuilt.core, ["p"]) and source.client.reconnects == 2
+    source.new_batch({"p": PROMPT})  # the same actor under the name: looked up, not a reconnect
+    assert source.client.calls == 3 and source.client.reconnects == 2
+
+
+def test_a_step_waits_for_its_own_syncs_not_for_a_slow_shards_earlier_one(fake_ray):
+    """A step starting a prompt waits up to ``sync_wait_ms`` for the answer it asked for; an answer
+    still out from a slow shard since an earlier step does not hold it up, and enters the core at
+    the first step after it comes."""
+    slow_prompt, fast_prompt = owned_prompt(0, 2), owned_prompt(1, 2)
+    shards = [DrafterShard(index, NgramRLConfig(), (99,), shards=2) for index in range(2)]
+    shards[0].add_rollouts([(slow_prompt, PROMPT, REPEAT + [99], 0)])
+    shards[1].add_rollouts([(fast_prompt, PROMPT, REPEAT + [99], 0)])
+    slow = FakeShardActor(shards[0], slow=True)
+    fake_ray.actors.update(s0=slow, s1=FakeShardActor(shards[1]))
+    source = fake_source(["s0", "s1"], sync_wait_ms=0)
+    source.start_many(["r1"], [slow_prompt], [PROMPT], [[]])
+    assert source.syncs and source.core.rollout_count(slow_prompt) == 0
+    source.settings.sync_wait_ms = 5_000
+    begin = time.monotonic()
+    source.start_many(["r2"], [fast_prompt], [PROMPT], [[]])
+    assert time.monotonic() - begin < 2.5
+    assert source.core.rollout_count(fast_prompt) == 1 and source.core.rollout_count(slow_prompt) == 0
+    slow.release()
+    source.begin_step()
+    assert source.core.rollout_count(slow_prompt) == 1 and not source.syncs and source.client.late == 1
