@@ -159,6 +159,9 @@ class DrafterShard:
         self.core = make_core(self.config.history, self.drafter_config, self.config.prefetch, threads=1)
         self.incarnation = uuid.uuid4().hex
         self.taken: dict[str, int] = {}  # rollouts taken per prompt by this incarnation (restored ones too)
+        # Per prompt the token cap let go of (LRU), its taken count then: an engine's copy synced
+        # up to that count holds a window this shard no longer has, so it is replaced, not extended.
+        self.evicted_at: dict[str, int] = {}
 
     # -- history ----------------------------------------------------------------------------
 
@@ -176,6 +179,7 @@ class DrafterShard:
     def _take(self, rollouts: list[tuple[str, list[int], list[int], int]]) -> int:
         touched = {}
         for prompt_id, prompt, output, epoch in rollouts:
+            self._note_eviction(prompt_id)
             self.core.add_rollout(prompt_id, prompt, output, epoch)
             self.taken[prompt_id] = self.taken.get(prompt_id, 0) + 1
             touched[prompt_id] = None
@@ -246,6 +250,19 @@ class DrafterShard:
         self.replay_journal()
         return len(self.core)
 
+    def _note_eviction(self, prompt_id: str) -> None:
+        """Record it if the token cap let go of the prompt since it was taken: it holds no rollout
+        here any more (a window keeps at least its newest rollout). Noticed where it matters, when
+        the prompt comes back or is synced, so that an eviction costs nothing here."""
+        if prompt_id in self.taken and not self.core.rollout_count(prompt_id):
+            self.evicted_at[prompt_id] = self.taken[prompt_id]
+
+    def _extends(self, prompt_id: str, copy: Synced | None) -> bool:
+        """Whether an engine's ``copy`` of the prompt's window is this window's past, so the
+        rollouts taken since, added in order, make it this window: it is of this incarnation and
+        synced after the prompt's last eviction."""
+        return copy is not None and copy[0] == self.incarnation and copy[1] > self.evicted_at.get(prompt_id, -1)
+
     # -- engines' copies ----------------------------------------------------------------------
 
     def sync(self, prompt_ids: list[str], copies: list[Synced | None]) -> tuple[str, list[SyncUpdate | None]]:
@@ -253,19 +270,21 @@ class DrafterShard:
         earlier sync; None: no copy) needs to hold the window this shard holds: None where it is
         up to date, else the rollouts it lacks, in the order taken (adding them trims its copy's
         window as this shard's was trimmed), or the whole window to replace its copy where the
-        copy is of another incarnation of this shard or older than the window. Returns this
-        shard's incarnation with the updates."""
+        copy is of another incarnation of this shard, older than the window, or from before the
+        token cap let go of the prompt. Returns this shard's incarnation with the updates."""
         begin = time.perf_counter()
         if len(copies) != len(prompt_ids):
             raise ValueError(f"sync: {len(copies)} copies for {len(prompt_ids)} prompts")
+        for prompt_id in prompt_ids:
+            self._note_eviction(prompt_id)
         behind = [i for i, (prompt_id, copy) in enumerate(zip(prompt_ids, copies, strict=True))
-                  if copy is None or copy != (self.incarnation, self.taken.get(prompt_id, 0))]
+                  if not self._extends(prompt_id, copy) or copy[1] != self.taken.get(prompt_id, 0)]
         windows = {entry[0]: entry[2] for entry in self.core.export([prompt_ids[i] for i in behind])}
         updates: list[SyncUpdate | None] = [None] * len(prompt_ids)
         for i in behind:
             prompt_id, copy = prompt_ids[i], copies[i]
             taken, window = self.taken.get(prompt_id, 0), windows.get(prompt_id, [])
-            if copy is not None and copy[0] == self.incarnation and 0 <= taken - copy[1] <= len(window):
+            if self._extends(prompt_id, copy) and 0 <= taken - copy[1] <= len(window):
                 updates[i] = (taken, False, window[len(window) - (taken - copy[1]):])
             else:
                 updates[i] = (taken, True, window)

@@ -12,8 +12,9 @@ call names its prompts (``new_batch``, before the first step), or else when a re
 no sibling running here (that step waits up to ``sync_wait_ms``; a later answer enters at a later
 step). Until then, and while a shard is down, a prompt drafts from the copy it has. Finished
 requests are not added here (the driver adds the finished rollouts to the pool; the next sync
-brings them); their tokens serve their siblings until then. Drafts only ever propose, so the
-committed tokens are the same whatever the pool does.
+brings them); their tokens serve their siblings until then, while a sibling may still run (one
+runs here, or the generate call names the prompt). Drafts only ever propose, so the committed
+tokens are the same whatever the pool does.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ class PoolSource(CoreSource):
         self.prompt_of: dict[int, str] = {}       # core handle -> prompt id
         self.asked: set[str] = set()              # prompts with a sync in flight
         self.current: set[str] = set()            # prompts synced for this generate call
+        self.named: set[str] = set()              # prompts this generate call runs
+        # Prompts whose index may hold outputs of requests that ended here. The core's token cap
+        # does not count those, so they stay only while a sibling may draft from them.
+        self.lingering: set[str] = set()
         self.syncs: list[_Sync] = []
         self.client = PoolClientStats()
 
@@ -115,12 +120,15 @@ class PoolSource(CoreSource):
         their copies are brought up to date and indexed now, before the first step (waiting up to
         ``batch_sync_s``: a shard that hangs delays the call that long, then its prompts' answers
         enter at a later step), and count as current until the next call (their requests start
-        without a sync)."""
+        without a sync). Prompts it does not name, with no request running here, let go of the
+        outputs of their requests that ended (``finish_many``)."""
         # The pool rebuilds a shard that died (or hung) under its name between generate calls, and
         # a handle to the lost actor would fail every sync of this call: look every shard up again.
         self.look_up = [True] * len(self.handles)
         self.retry_at = [0.0] * len(self.retry_at)
         self.current = set()
+        self.named = set(prompts or ())
+        self._let_go_of_ended(self.lingering - self.named - set(self.live))
         if prompts:
             begin = time.perf_counter()
             self._sync(prompts, self.settings.batch_sync_s)
@@ -171,16 +179,43 @@ class PoolSource(CoreSource):
 
     def finish_many(self, requests: list[int], epochs: list[int]) -> None:
         """The requests end without becoming rollouts here (the pool gets them from the driver, and
-        the next sync brings them); their tokens stay in their prompt's index for the siblings
-        still running until then."""
-        self.core.finish_many(requests, None, linger=True)
-        for handle in requests:
-            prompt_id = self.prompt_of.pop(handle)
+        the next sync brings them). Their tokens stay in their prompt's index while a sibling may
+        draft from them: one running here, or one the generate call names and may still start
+        (until the next call's ``new_batch``). The last request of any other prompt ends taking
+        them all out: the prompt's next request syncs first, and the sync brings them from the pool."""
+        prompt_ids = [self.prompt_of.pop(handle) for handle in requests]
+        for prompt_id in prompt_ids:
             left = self.live[prompt_id] - 1
             if left:
                 self.live[prompt_id] = left
             else:
                 del self.live[prompt_id]
+        kept = [prompt_id in self.live or prompt_id in self.named for prompt_id in prompt_ids]
+        lingering = [handle for handle, keep in zip(requests, kept, strict=True) if keep]
+        if lingering:
+            self.core.finish_many(lingering, None, linger=True)
+        if len(lingering) < len(requests):
+            # a request ending without lingering drops its prompt's index (rebuilt from the window
+            # alone at the prompt's next lookup), with every ended output in it
+            self.core.finish_many([handle for handle, keep in zip(requests, kept, strict=True) if not keep], None)
+        for prompt_id, keep in zip(prompt_ids, kept, strict=True):
+            if keep:
+                self.lingering.add(prompt_id)
+            else:
+                self.lingering.discard(prompt_id)
+
+    def _let_go_of_ended(self, prompt_ids: set[str]) -> None:
+        """The outputs of requests that ended here leave these prompts' indexes (none of their
+        requests runs). A request ending without lingering drops its prompt's index (rebuilt from
+        the window alone at the prompt's next lookup), so an empty request of each prompt starts
+        and ends that way: its prompt tokens are not read (the prompt is known), and a prompt the
+        core's token cap let go of is not brought back."""
+        if not prompt_ids:
+            return
+        # least recently used first: a request starting touches its prompt, and so their order stays
+        held = [prompt_id for prompt_id in self.core.prompt_ids() if prompt_id in prompt_ids]
+        self.core.finish_many(self.core.start_many(held, [[]] * len(held), [[]] * len(held)), None)
+        self.lingering.difference_update(prompt_ids)
 
     def _sync(self, prompts: dict[str, list[int]], wait_s: float) -> None:
         """Ask the shards what the copies of ``prompts`` (id -> prompt tokens; those asked already
@@ -241,6 +276,9 @@ class PoolSource(CoreSource):
                 self.client.down_prompts += len(sync.prompts)
                 continue
             self.client.synced_prompts += apply_sync(self.core, self.synced, incarnation, sync.prompts, updates)
+            # a rollout stored for a prompt, or its window replaced, drops its index with the ended outputs
+            self.lingering.difference_update(prompt_id for prompt_id, update in zip(sync.prompts, updates, strict=True)
+                                             if update is not None and (update[1] or update[2]))
             self.client.sync_us.append((time.perf_counter() - sync.asked_at) * 1e6)
         self.syncs = waiting
         if len(self.synced) > 2 * len(self.core) + 1024:  # prompts the core's token cap let go of

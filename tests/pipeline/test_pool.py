@@ -208,30 +208,36 @@ def windows(core, prompt_ids):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_a_sync_brings_an_engines_copy_to_the_shards_window(monkeypatch, tmp_path, native):
+@pytest.mark.parametrize("shard_tokens", [8_000_000, 50])
+def test_a_sync_brings_an_engines_copy_to_the_shards_window(monkeypatch, tmp_path, native, shard_tokens):
     """Whatever the shard took since, and whenever the engine syncs, its copy of a prompt's window
     comes out as the shard's: the rollouts it lacks added in order (the window trims as the
     shard's did), or the whole window in place of a copy older than the window, of another
-    incarnation of the shard (restored from a snapshot), or let go of by the engine's core."""
+    incarnation of the shard (restored from a snapshot), from before the shard's token cap
+    (``shard_tokens``) let go of the prompt, or let go of by the engine's core."""
     import random
+    from dataclasses import replace
 
     import ngramrl.pipeline.pool as pool
     from ngramrl.config import HistoryConfig
     from ngramrl.pipeline.pool import apply_sync, copies_held
 
     monkeypatch.setattr(pool, "make_core", lambda *a, **k: make_core(*a, **k, native=native))
-    config = NgramRLConfig(history=HistoryConfig(rollouts_per_prompt=3, epochs_kept=2))
+    window = HistoryConfig(rollouts_per_prompt=3, epochs_kept=2)
+    config = NgramRLConfig(history=replace(window, max_tokens=shard_tokens))
     shard = DrafterShard(0, config)
-    engine, synced = make_core(config.history, native=native), {}
+    engine, synced = make_core(window, native=native), {}
     prompts = {f"p{i}": [1, 50 + i, 3] for i in range(4)}
     rng = random.Random(7)
-    epoch, replaced, added = 0, 0, 0
+    epoch, replaced, added, evicted = 0, 0, 0, 0
     for n in range(400):
         roll = rng.random()
         if roll < 0.55:
             prompt_id = rng.choice(list(prompts))
+            before = shard.core.counters()["evicted_prompts"]
             shard.add_rollouts([(prompt_id, prompts[prompt_id], [rng.randrange(5, 9) for _ in range(4)] + [99],
                                  epoch)])
+            evicted += shard.core.counters()["evicted_prompts"] - before
             epoch += rng.random() < 0.15
         elif roll < 0.95:
             asked = rng.sample(list(prompts), rng.randrange(1, 4))
@@ -247,7 +253,7 @@ def test_a_sync_brings_an_engines_copy_to_the_shards_window(monkeypatch, tmp_pat
             shard = restored
         else:
             engine.clear()  # as if the core's token cap had let go of every copy
-    assert replaced > 10 and added > 10
+    assert replaced > 10 and added > 10 and (evicted > 10) == (shard_tokens < 100)
 
 
 def test_the_engine_drafts_from_its_copy_and_syncs_a_prompt_once_while_siblings_run(local_ray, tmp_path):
@@ -462,3 +468,93 @@ def test_a_step_waits_for_its_own_syncs_not_for_a_slow_shards_earlier_one(fake_r
     slow.release()
     source.begin_step()
     assert source.core.rollout_count(slow_prompt) == 1 and not source.syncs and source.client.late == 1
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_copy_from_before_the_shards_cap_let_go_of_its_prompt_is_replaced(monkeypatch, native):
+    """The shard's token cap lets go of a prompt (least recently used first) while engines hold
+    copies of its window: the next sync makes each copy the shard's window (empty, or the rollouts
+    taken since the prompt came back), never the old copy with the rollouts taken since."""
+    import ngramrl.pipeline.pool as pool
+    from ngramrl.config import HistoryConfig
+    from ngramrl.pipeline.pool import apply_sync, copies_held
+
+    monkeypatch.setattr(pool, "make_core", lambda *a, **k: make_core(*a, **k, native=native))
+    shard = DrafterShard(0, NgramRLConfig(history=HistoryConfig(max_tokens=40)))
+    engines = [(make_core(native=native), {}) for _ in range(2)]
+    prompt = [1, 2, 3]
+
+    def sync(engine, synced):
+        incarnation, updates = shard.sync(["a"], copies_held(engine, synced, ["a"]))
+        apply_sync(engine, synced, incarnation, {"a": prompt}, updates)
+        return windows(engine, ["a"])
+
+    shard.add_rollouts([("a", prompt, [10, 11, 12, 13, 99], 0), ("a", prompt, [10, 11, 14, 15, 99], 0)])
+    for engine, synced in engines:
+        assert sync(engine, synced) == windows(shard.core, ["a"]) and engine.rollout_count("a") == 2
+    # 13 tokens of "a", then 31 of "b": over the cap of 40, "a" (the least recently used) goes
+    shard.add_rollouts([("b", [4, 5, 6], [20 + i, 21, 22, 23, 24, 25, 99], 0) for i in range(4)])
+    assert shard.core.rollout_count("a") == 0 and shard.core.rollout_count("b") == 4
+    assert sync(*engines[0]) == {}  # the shard holds nothing of "a" now
+    shard.add_rollouts([("a", prompt, [10, 11, 16, 17, 99], 1)])
+    for engine, synced in engines:  # the first synced since the eviction, the second before it
+        assert sync(engine, synced) == windows(shard.core, ["a"]) and engine.rollout_count("a") == 1
+
+
+def ended_outputs_held(core, prompt_id):
+    """Sequences in the prompt's index besides its prompt and its window: outputs of requests that
+    ended there (the index is built first, as at a generate call's start)."""
+    core.index_prompt(prompt_id)
+    return core.index_shape(prompt_id)[2] - 1 - core.rollout_count(prompt_id)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_engine_keeps_ended_outputs_only_for_the_prompts_of_its_generate_call(fake_ray, monkeypatch, native):
+    """A request that ends leaves its output in its prompt's index for its siblings (the pool brings
+    it back as a rollout at the prompt's next sync), where the engine's token cap does not count
+    it. It stays while the generate call that named the prompt runs (a sibling may start after it
+    ended) and through a next call that names the prompt again, and goes at the first call that
+    does not: over many distinct prompts, never synced again, the engine holds only their windows."""
+    import ngramrl.engine.sources as sources
+
+    monkeypatch.setattr(sources, "make_core", lambda *a, **k: make_core(*a, **k, native=native))
+    prompts = {f"p{i}": [1, 60 + i, 3] for i in range(12)}
+    shard = DrafterShard(0, NgramRLConfig(), (99,))
+    shard.add_rollouts([(prompt_id, prompt, [40, 41, 42, 99], 0) for prompt_id, prompt in prompts.items()])
+    fake_ray.actors["s0"] = FakeShardActor(shard)
+    source = fake_source(["s0"])
+    for call in range(5):
+        named = dict(list(prompts.items())[2 * call:2 * call + 3])  # the last one runs again next call
+        source.new_batch(named)
+        for prompt_id in source.core.prompt_ids():
+            carried = call > 0 and prompt_id == f"p{2 * call}"  # the last call ran it too
+            assert ended_outputs_held(source.core, prompt_id) == (2 if carried else 0), (call, prompt_id)
+        for prompt_id, prompt in named.items():
+            ended = source.start_many([f"{prompt_id}-{call}-0"], [prompt_id], [prompt], [REPEAT + [call, 99]])
+            source.finish_many(ended, [call])
+            # the prompt's one request ended; a sibling starting after it drafts from its output
+            later = source.start_many([f"{prompt_id}-{call}-1"], [prompt_id], [prompt], [[]])
+            assert source.client.calls == call + 1  # named: synced at the call's start, not now
+            assert source.core.lookup_context(prompt_id, prompt, REPEAT[:3], 4).tokens == REPEAT[3:7]
+            source.finish_many(later, [call])
+        assert source.lingering == set(named)
+    assert source.core.lookup_context("p10", prompts["p10"], REPEAT[:3], 4).tokens == REPEAT[3:7]
+    source.new_batch({"p0": prompts["p0"]})
+    assert source.core.lookup_context("p10", prompts["p10"], REPEAT[:3], 4).tokens == []
+    assert sum(ended_outputs_held(source.core, prompt_id) for prompt_id in source.core.prompt_ids()) == 0
+    assert not source.lingering
+
+
+def test_a_prompt_no_generate_call_names_keeps_ended_outputs_while_a_sibling_runs(fake_ray):
+    """Where the engine is given prompts one at a time (OpenRLHF's engines), a prompt's ended
+    outputs serve its siblings still running; its last request takes them out (the next request
+    of it syncs first, and the pool has them as rollouts by then)."""
+    fake_ray.actors["s0"] = FakeShardActor(shard_with_history())
+    source = fake_source(["s0"])
+    first = source.start_many(["r1", "r2"], ["p", "p"], [PROMPT, PROMPT], [[30, 31, 32, 33, 34], []])
+    source.finish_many(first[:1], [0])
+    assert source.core.lookup_context("p", PROMPT, [30, 31], 3).tokens == [32, 33, 34]
+    source.finish_many(first[1:], [0])
+    assert source.core.lookup_context("p", PROMPT, [30, 31], 3).tokens == []
+    assert ended_outputs_held(source.core, "p") == 0 and source.core.rollout_count("p") == 3
+    assert not source.lingering
