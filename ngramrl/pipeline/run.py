@@ -87,6 +87,7 @@ class TrainResult:
     rollouts: list[Rollout] = field(default_factory=list)
     wandb_dir: str | None = None
     report_path: str | None = None  # report.png: reward, tokens per forward, rollout time, the trace's replay
+    policy_path: str | None = None  # the trained policy (HF format)
 
     def summary(self) -> str:
         head = (f"{'step':>4} {'reward':>7} {'loss':>8} {'tok/fwd':>7} {'offered':>7} {'accept':>6} {'cover':>6} "
@@ -102,6 +103,8 @@ class TrainResult:
         rows.append(f"rollout time {total:.1f}s over {len(self.steps)} steps; trace: {self.trace_path}")
         if self.report_path:
             rows.append(f"report: {self.report_path}")
+        if self.policy_path:
+            rows.append(f"policy: {self.policy_path}")
         return "\n".join(rows)
 
 
@@ -302,7 +305,8 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         if saved_steps != trained_steps:
             _save_policy(ray, trainers, tokenizer, output_dir, trained_steps, limit)
         _write_summary(output_dir, earlier.records, records)
-        result = TrainResult(records, trace.path, output_dir, trace.rollouts, tracker.directory)
+        result = TrainResult(records, trace.path, output_dir, trace.rollouts, tracker.directory,
+                             policy_path=os.path.join(output_dir, POLICY_DIR))
         result.report_path, summary = write_report(output_dir, earlier.records + [asdict(r) for r in records],
                                                    trace.path, rollout.num_speculative_tokens, config.ngramrl.history)
         tracker.log_report(result.report_path, summary)
