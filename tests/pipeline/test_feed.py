@@ -6,15 +6,7 @@ from types import SimpleNamespace
 
 from ngramrl.pipeline.feed import ShardFeed
 from ngramrl.pipeline.pool import PoolSettings, shard_of
-
-
-class ActorDied(Exception):
-    pass
-
-
-class Reply:
-    def __init__(self, error=None):
-        self.error = error
+from tests.pipeline.test_pool import FakeRay, FakeRayError, FakeRef
 
 
 class Shard:
@@ -26,28 +18,9 @@ class Shard:
 
     def _add(self, records):
         if self.dead:
-            return Reply(ActorDied("the actor died"))
+            return FakeRef(error=FakeRayError("the actor died"))
         self.taken.extend(records)
-        return Reply()
-
-
-class Ray:
-    exceptions = SimpleNamespace(RayError=ActorDied)
-
-    def __init__(self):
-        self.actors = {}
-
-    def get_actor(self, name, namespace=None):
-        if name not in self.actors:
-            raise ValueError(f"Failed to look up actor with name '{name}'")
-        return self.actors[name]
-
-    def wait(self, replies, num_returns, timeout):
-        return list(replies), []
-
-    def get(self, reply, timeout=None):
-        if reply.error is not None:
-            raise reply.error
+        return FakeRef()
 
 
 def prompts_of(shard_index, shards, count):
@@ -56,7 +29,7 @@ def prompts_of(shard_index, shards, count):
 
 
 def test_rollouts_a_lost_shard_failed_to_take_go_to_the_shard_rebuilt_under_its_name():
-    ray = Ray()
+    ray = FakeRay()
     names = ["shard-0", "shard-1"]
     first, other = Shard(), Shard()
     ray.actors = {"shard-0": first, "shard-1": other}
@@ -79,7 +52,7 @@ def test_rollouts_a_lost_shard_failed_to_take_go_to_the_shard_rebuilt_under_its_
 
 
 def test_a_shard_down_for_long_keeps_only_its_latest_rollouts():
-    ray = Ray()
+    ray = FakeRay()
     feed = ShardFeed(PoolSettings(["shard-0"], "ns", retry_after_s=0.0), ray, max_waiting=3)
     for epoch in range(5):
         feed.send("p", [1], [epoch, 2], epoch)
