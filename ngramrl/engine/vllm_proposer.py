@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import statistics
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -260,12 +261,10 @@ def drafts_read_here() -> bool:
     outputs, from one worker: the first tensor- (and context-) parallel rank of the last pipeline
     stage (``MultiprocExecutor._get_output_rank``; rank 0 without pipeline stages). The other ranks'
     drafts are made and dropped, so a proposer there would spend the host's cores and memory (and
-    the drafter pool's calls) on a history nobody drafts from. Outside a vLLM worker: True."""
-    try:
-        from vllm.distributed import parallel_state
-    except ImportError:
-        return True
-    if not parallel_state.model_parallel_is_initialized():
+    the drafter pool's calls) on a history nobody drafts from. Outside a vLLM worker: True (vLLM is
+    not imported for it: the stand-in engines of the benchmarks run without it)."""
+    parallel_state = sys.modules.get("vllm.distributed.parallel_state")
+    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
         return True
     groups = [parallel_state.get_tp_group()]
     if getattr(parallel_state, "_PCP", None) is not None:
