@@ -10,11 +10,10 @@ again, and no shard goes on being fed through a handle to a lost actor.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from ngramrl.pipeline.pool import PoolSettings, shard_of
+from ngramrl.pipeline.pool import PoolSettings, ShardHandles, shard_of
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +32,16 @@ class ShardFeed:
     per shard while it is down (the oldest go first beyond it: the history keeps recent ones)."""
 
     def __init__(self, settings: PoolSettings, ray: Any, max_waiting: int = 4096) -> None:
-        self.settings = settings
         self.ray = ray
         self.max_waiting = max_waiting
         self.stats = FeedStats()
-        self._handles: dict[int, Any] = {}
+        self.shards = ShardHandles(settings, ray)
         self._in_flight: list[tuple[int, Any, list[Record]]] = []  # (shard, reply, its rollouts)
         self._waiting: dict[int, list[Record]] = {}  # per shard: rollouts not in a call now
-        self._retry_at: dict[int, float] = {}  # per shard down: when its name is looked up again
 
     def send(self, prompt_id: str, prompt: list[int], output: list[int], epoch: int) -> None:
         self._read_replies()
-        shard = shard_of(prompt_id, len(self.settings.names))
+        shard = shard_of(prompt_id, len(self.shards))
         self._waiting.setdefault(shard, []).append((prompt_id, prompt, output, epoch))
         for waiting in [index for index, records in self._waiting.items() if records]:
             self._flush(waiting)
@@ -69,19 +66,19 @@ class ShardFeed:
             except self.ray.exceptions.RayError as err:
                 logger.warning("drafter shard %d did not take %d rollouts (%s); they go to it again once it is "
                                "back", shard, len(records), err)
-                self._handles.pop(shard, None)
+                self.shards.failed(shard)
                 self._waiting[shard] = records + self._waiting.get(shard, [])
                 self.stats.resent += len(records)
         self._in_flight = still
 
     def _flush(self, shard: int) -> None:
         records = self._waiting[shard]
-        handle = self._handle(shard)
+        handle = self.shards.get(shard)
         if handle is not None:
             try:
                 reply = handle.add_rollouts.remote(records)
             except self.ray.exceptions.RayError:
-                self._handles.pop(shard, None)
+                self.shards.failed(shard)
             else:
                 self._in_flight.append((shard, reply, records))
                 self._waiting[shard] = []
@@ -90,14 +87,3 @@ class ShardFeed:
         if len(records) > self.max_waiting:
             self.stats.dropped += len(records) - self.max_waiting
             del records[:len(records) - self.max_waiting]
-
-    def _handle(self, shard: int) -> Any | None:
-        handle = self._handles.get(shard)
-        if handle is None and time.monotonic() >= self._retry_at.get(shard, 0.0):
-            try:
-                handle = self.ray.get_actor(self.settings.names[shard], namespace=self.settings.namespace)
-            except ValueError:  # not rebuilt (yet)
-                self._retry_at[shard] = time.monotonic() + self.settings.retry_after_s
-                return None
-            self._handles[shard] = handle
-        return handle

@@ -327,6 +327,51 @@ class PoolSettings:
         return cls(**json.loads(text))
 
 
+class ShardHandles:
+    """The pool's shard actors as a client in another process reaches them: by name. The pool
+    rebuilds a lost shard under its name, so a shard whose call failed (``failed``), or every
+    shard (``look_up_all``), is looked up again at its next ``get``; while a name is missing, every
+    ``retry_after_s``. ``reconnects``: the times a lookup found another actor than the one held."""
+
+    def __init__(self, settings: PoolSettings, ray: Any) -> None:
+        self.settings = settings
+        self.ray = ray
+        shards = len(settings.names)
+        self.handles: list[Any | None] = [None] * shards
+        self._look_up = [True] * shards
+        self._retry_at = [0.0] * shards
+        self.reconnects = 0
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def get(self, shard: int) -> Any | None:
+        """The shard's actor, None while its name is missing."""
+        if not self._look_up[shard] or time.monotonic() < self._retry_at[shard]:
+            return self.handles[shard]
+        try:
+            handle = self.ray.get_actor(self.settings.names[shard], namespace=self.settings.namespace)
+        except ValueError:  # not (yet) rebuilt by the pool
+            self.handles[shard] = None
+            self._retry_at[shard] = time.monotonic() + self.settings.retry_after_s
+            return None
+        self._look_up[shard] = False
+        if handle != self.handles[shard]:  # a new actor under the name (handles compare by actor id)
+            self.handles[shard] = handle
+            self.reconnects += 1
+        return handle
+
+    def failed(self, shard: int) -> None:
+        """A call to the shard failed: the pool may have rebuilt it under its name."""
+        self.handles[shard] = None
+        self._look_up[shard] = True
+        self._retry_at[shard] = 0.0
+
+    def look_up_all(self) -> None:
+        self._look_up = [True] * len(self.handles)
+        self._retry_at = [0.0] * len(self.handles)
+
+
 class DrafterPool:
     """The driver's handle on the shards: routing, saving, health checks and restarts."""
 

@@ -29,7 +29,7 @@ from typing import Any
 from ngramrl.config import DrafterConfig, NgramRLConfig
 from ngramrl.engine.sources import CoreSource
 from ngramrl.engine.vllm_proposer import NgramRLProposer
-from ngramrl.pipeline.pool import PoolSettings, Synced, apply_sync, copies_held, shard_of
+from ngramrl.pipeline.pool import PoolSettings, ShardHandles, Synced, apply_sync, copies_held, shard_of
 
 POOL_ENV = "NGRAMRL_POOL"
 POOL_PROPOSER = "ngramrl.pipeline.pool_proposer.PoolProposer"
@@ -42,7 +42,6 @@ class PoolClientStats:
     late: int = 0            # sync answers not back by the next step (they enter when they come)
     down_prompts: int = 0    # prompts left with the copy they had: their shard was down or its call failed
     errors: int = 0          # failed calls to a shard
-    reconnects: int = 0
     sync_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # ask to applied, recent ones
     batch_sync_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # new_batch's syncs
 
@@ -90,10 +89,7 @@ class PoolSource(CoreSource):
         self.settings = settings
         self.ray = connect_ray(settings)
         self.ray_error = self.ray.exceptions.RayError
-        shards = len(settings.names)
-        self.handles: list[Any | None] = [None] * shards
-        self.look_up = [True] * shards  # shards whose name is looked up again at their next call
-        self.retry_at = [0.0] * shards
+        self.shards = ShardHandles(settings, self.ray)
         self.synced: dict[str, Synced] = {}       # each copy here: as of which sync
         self.live: dict[str, int] = {}            # live requests per prompt here
         self.prompt_of: dict[int, str] = {}       # core handle -> prompt id
@@ -124,8 +120,7 @@ class PoolSource(CoreSource):
         outputs of their requests that ended (``finish_many``)."""
         # The pool rebuilds a shard that died (or hung) under its name between generate calls, and
         # a handle to the lost actor would fail every sync of this call: look every shard up again.
-        self.look_up = [True] * len(self.handles)
-        self.retry_at = [0.0] * len(self.retry_at)
+        self.shards.look_up_all()
         self.current = set()
         self.named = set(prompts or ())
         self._let_go_of_ended(self.lingering - self.named - set(self.live))
@@ -140,26 +135,9 @@ class PoolSource(CoreSource):
 
     # -- shards -------------------------------------------------------------------------------
 
-    def _handle(self, shard: int) -> Any | None:
-        if not self.look_up[shard] or time.monotonic() < self.retry_at[shard]:
-            return self.handles[shard]
-        try:
-            handle = self.ray.get_actor(self.settings.names[shard], namespace=self.settings.namespace)
-        except ValueError:  # not (yet) restarted by the pool
-            self.handles[shard] = None
-            self.retry_at[shard] = time.monotonic() + self.settings.retry_after_s
-            return None
-        self.look_up[shard] = False
-        if handle != self.handles[shard]:  # a new actor under the name (handles compare by actor id)
-            self.handles[shard] = handle
-            self.client.reconnects += 1
-        return handle
-
     def _shard_failed(self, shard: int) -> None:
         self.client.errors += 1
-        self.handles[shard] = None
-        self.look_up[shard] = True  # the pool may have restarted it under its name
-        self.retry_at[shard] = time.monotonic()
+        self.shards.failed(shard)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -225,7 +203,7 @@ class PoolSource(CoreSource):
         by_shard: dict[int, dict[str, list[int]]] = {}
         for prompt_id, prompt in prompts.items():
             if prompt_id not in self.asked:
-                by_shard.setdefault(shard_of(prompt_id, len(self.handles)), {})[prompt_id] = prompt
+                by_shard.setdefault(shard_of(prompt_id, len(self.shards)), {})[prompt_id] = prompt
         refs = [ref for shard, asked in by_shard.items() if (ref := self._ask(shard, asked)) is not None]
         if refs and wait_s > 0:
             self.ray.wait(refs, num_returns=len(refs), timeout=wait_s)
@@ -233,7 +211,7 @@ class PoolSource(CoreSource):
 
     def _ask(self, shard: int, prompts: dict[str, list[int]]) -> Any | None:
         """Send the shard its sync call; its answer's ref, None where the shard is down."""
-        handle = self._handle(shard)
+        handle = self.shards.get(shard)
         if handle is None:
             self.client.down_prompts += len(prompts)
             return None
@@ -291,7 +269,7 @@ class PoolSource(CoreSource):
         client = self.client
         return {**super().stats(), "pool_calls": client.calls, "pool_synced_prompts": client.synced_prompts,
                 "pool_late_syncs": client.late, "pool_down_prompts": client.down_prompts,
-                "pool_errors": client.errors, "pool_reconnects": client.reconnects,
+                "pool_errors": client.errors, "pool_reconnects": self.shards.reconnects,
                 "pool_sync_us_median": statistics.median(client.sync_us) if client.sync_us else None,
                 "pool_batch_sync_us_median": (statistics.median(client.batch_sync_us) if client.batch_sync_us
                                               else None)}

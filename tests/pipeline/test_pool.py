@@ -435,16 +435,16 @@ def test_a_generate_call_syncs_with_the_shard_the_pool_rebuilt_since_the_last_ca
     fake_ray.actors["s0"] = lost
     source = fake_source(["s0"])
     source.new_batch({"p": PROMPT})
-    assert source.core.rollout_count("p") == 3 and source.client.reconnects == 1
+    assert source.core.rollout_count("p") == 3 and source.shards.reconnects == 1
     lost.dead = True
     rebuilt = shard_with_history()
     rebuilt.add_rollouts([("p", PROMPT, REPEAT[:2] + [30, 99], 1)])
     fake_ray.actors["s0"] = FakeShardActor(rebuilt)
     source.new_batch({"p": PROMPT})
     assert source.client.errors == 0 and source.client.down_prompts == 0 and "p" in source.current
-    assert windows(source.core, ["p"]) == windows(rebuilt.core, ["p"]) and source.client.reconnects == 2
+    assert windows(source.core, ["p"]) == windows(rebuilt.core, ["p"]) and source.shards.reconnects == 2
     source.new_batch({"p": PROMPT})  # the same actor under the name: looked up, not a reconnect
-    assert source.client.calls == 3 and source.client.reconnects == 2
+    assert source.client.calls == 3 and source.shards.reconnects == 2
 
 
 def test_a_step_waits_for_its_own_syncs_not_for_a_slow_shards_earlier_one(fake_ray):
