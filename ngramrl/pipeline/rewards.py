@@ -5,8 +5,8 @@
   function, 1.0 when every argument is one the benchmark allows and no required one is missing.
 - spider: 1 if the predicted query's result on the SQLite database equals the gold query's
   (as a multiset of rows; in order when the gold query sorts), 0 if it differs or fails to run.
-  The gold query runs once per database (with a longer limit); one that does not run scores its
-  prompt's samples 0, with a warning, and the run goes on.
+  Each gold query runs once (with a longer limit); one that does not run scores its prompt's
+  samples 0, with a warning, and the run goes on.
 - reasoning_gym: the task's own checker (``score_answer``) on the final answer: what follows the
   last 'Answer:', or without one the last number (numeric answers) or the last line.
 
@@ -25,7 +25,7 @@ from collections import Counter
 from typing import Any
 
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
-GOLD_SECONDS = 120.0  # a gold query runs once per database: it may take longer than a sample's
+GOLD_SECONDS = 120.0  # a gold query runs once, its rows kept: it may take longer than a sample's
 logger = logging.getLogger(__name__)
 
 

@@ -227,19 +227,20 @@ class PolicyTrainer:
         """Write the policy (HF format, the trainer's dtype) to ``path`` from rank 0: a directory the
         driver reads too, as the drafter pool's snapshots are. Every rank calls it (a collective
         under ZeRO-3)."""
-        module = self.engine.module
-        with self._gathered(list(module.parameters())):
-            if self.rank == 0:
-                state = {name: tensor.detach().to("cpu").clone() for name, tensor in module.state_dict().items()}
-                module.save_pretrained(path, state_dict=state)
+        state = self._whole_state(None)
+        if state is not None:
+            self.engine.module.save_pretrained(path, state_dict=state)
 
     def weights(self, dtype: str) -> dict[str, Any] | None:
         """The policy's weights in the engines' dtype, by HF name (what vLLM's load_weights takes),
         on rank 0; None on the others. Every rank calls it (a collective under ZeRO-3)."""
-        as_engine = getattr(self.torch, dtype)
+        return self._whole_state(getattr(self.torch, dtype))
+
+    def _whole_state(self, dtype: Any) -> dict[str, Any] | None:
+        """The policy's state dict, whole, on the CPU in ``dtype`` (None: as trained), on rank 0;
+        None on the others. Every rank calls it (a collective under ZeRO-3)."""
         module = self.engine.module
         with self._gathered(list(module.parameters())):
             if self.rank != 0:
                 return None
-            return {name: tensor.detach().to("cpu", as_engine).clone()
-                    for name, tensor in module.state_dict().items()}
+            return {name: tensor.detach().to("cpu", dtype).clone() for name, tensor in module.state_dict().items()}

@@ -6,6 +6,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("deepspeed")
+torch = pytest.importorskip("torch")
 
 from ngramrl.pipeline.config import ModelSection, TrainerSection  # noqa: E402
 from ngramrl.pipeline.trainer import PolicyTrainer  # noqa: E402
@@ -26,7 +27,7 @@ def samples(advantages):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_two_ranks_step_together_when_one_rank_has_no_signal(cluster, tiny_model_dir, stage):
+def test_two_ranks_step_together_when_one_rank_has_no_signal(cluster, tiny_model_dir, stage, tmp_path):
     # Two updates per step under ZeRO-3: the rank without signal must still join the forwards that
     # score the other rank's samples before the first update (each gathers the parameters).
     trainer_section = TrainerSection(num_actors=2, zero_stage=stage, learning_rate=1e-2, micro_batch_size=2,
@@ -53,6 +54,14 @@ def test_two_ranks_step_together_when_one_rank_has_no_signal(cluster, tiny_model
         full = {n: float(t.float().sum()) for n, t in weights[0].items()}
         for name, value in after[0].items():  # rank 0 hands out the whole, gathered policy
             assert full[name] == pytest.approx(value, rel=1e-3, abs=1e-3), name
+        # Rank 0 saves the whole, gathered policy as a model that loads
+        ray.get([r.save_policy.remote(str(tmp_path / "policy")) for r in ranks], timeout=WAIT_S)
+        from transformers import AutoModelForCausalLM
+
+        saved = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+        saved_sums = {n: float(t.detach().to(torch.bfloat16).float().sum()) for n, t in saved.state_dict().items()}
+        for name, value in after[0].items():
+            assert saved_sums[name] == pytest.approx(value, rel=1e-3, abs=1e-3), name
         # A step without signal on any rank leaves the policy as it was (AdamW's momentum would move it)
         metrics = ray.get([rank.train_step.remote(samples([0.0, 0.0, 0.0, 0.0])) for rank in ranks],
                           timeout=WAIT_S)
