@@ -68,6 +68,7 @@ class DraftingCore(Protocol):
     def finish(self, handle: int, epoch: int | None = None, linger: bool = False) -> None: ...
     def finish_many(self, handles: Sequence[int], epochs: Sequence[int] | None = None,
                     linger: bool = False) -> None: ...
+    def drop_ended(self, prompt_ids: Sequence[str]) -> None: ...
     def step(self, handles: Any, tokens: Any, offsets: Any, ks: Any) -> DraftBatch: ...
     def absorb(self, handles: Any, now: bool = False) -> None: ...
     def prefetch(self, handles: Any, tokens: Any, offsets: Any, probs: Any, k: int, absorb: Any = ()) -> None: ...
@@ -243,6 +244,12 @@ class ReferenceCore:
             if self.follower is not None:
                 self.follower.drop(handle)
             self._requests[handle] = None
+
+    def drop_ended(self, prompt_ids: Sequence[str]) -> None:
+        """The outputs of requests of these prompts that ended lingering leave their indexes now
+        (``RolloutHistory.drop_ended``; unknown prompts are skipped)."""
+        for prompt_id in prompt_ids:
+            self.history.drop_ended(str(prompt_id))
 
     def known(self, handle: int) -> bool:
         return self._request(handle).known

@@ -293,6 +293,15 @@ class RolloutHistory:
         else:
             self._store(entry, epoch, tokens, index_it=False)
 
+    def drop_ended(self, prompt_id: str) -> None:
+        """The outputs of requests that ended lingering leave the prompt's index now (rebuilt from
+        the window and the live requests at its next lookup), not at its next finished rollout.
+        Neither the prompt's recency nor any other index moves."""
+        entry = self._prompts.get(prompt_id)
+        if entry is not None and entry.lingering:
+            entry.lingering = False
+            entry.index = None
+
     def live_state(self, prompt_id: str, request_id: str) -> tuple[SuffixAutomaton, int] | None:
         """The prompt's index and the state of the request's whole context in it (rebuilding if needed)."""
         entry = self._prompts.get(prompt_id)

@@ -132,6 +132,10 @@ class NativeCore:
         self._core.finish([int(h) for h in handles], epochs is not None,
                           [] if epochs is None else [int(e) for e in epochs], bool(linger))
 
+    def drop_ended(self, prompt_ids: Sequence[str]) -> None:
+        """``ReferenceCore.drop_ended``, after the requests' background ends."""
+        self._core.drop_ended([str(p) for p in prompt_ids])
+
     def known(self, handle: int) -> bool:
         return self._core.known(int(handle))
 

@@ -640,6 +640,12 @@ public:
         });
     }
 
+    // ReferenceCore.drop_ended, once the requests ending in the background have ended.
+    void drop_ended(const std::vector<std::string>& ids) {
+        join();
+        for (const auto& id : ids) history_.drop_ended(id);
+    }
+
     bool known(int64_t handle) {
         join();
         return get(handle).known;
@@ -1854,6 +1860,7 @@ PYBIND11_MODULE(_native, m) {
                  return c.start(ids, p, o, register_prompt);
              })
         .def("finish", &Core::finish, py::call_guard<py::gil_scoped_release>())
+        .def("drop_ended", &Core::drop_ended, py::call_guard<py::gil_scoped_release>())
         .def("known", &Core::known)
         .def("step",
              [](Core& c, I64 handles, I32 tokens, I64 offsets, I32 ks) {

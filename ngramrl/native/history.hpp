@@ -219,6 +219,14 @@ public:
         }
     }
 
+    // RolloutHistory.drop_ended
+    void drop_ended(const std::string& id) {
+        Prompt* entry = find(id);
+        if (entry == nullptr || !entry->lingering) return;
+        entry->lingering = false;
+        entry->index.reset();
+    }
+
     // index_of for an entry the caller found: touches it and builds its index if needed.
     Automaton* indexed(Prompt* entry) {
         touch(entry);

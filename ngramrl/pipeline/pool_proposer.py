@@ -184,16 +184,10 @@ class PoolSource(CoreSource):
 
     def _let_go_of_ended(self, prompt_ids: set[str]) -> None:
         """The outputs of requests that ended here leave these prompts' indexes (none of their
-        requests runs). A request ending without lingering drops its prompt's index (rebuilt from
-        the window alone at the prompt's next lookup), so an empty request of each prompt starts
-        and ends that way: its prompt tokens are not read (the prompt is known), and a prompt the
-        core's token cap let go of is not brought back."""
-        if not prompt_ids:
-            return
-        # least recently used first: a request starting touches its prompt, and so their order stays
-        held = [prompt_id for prompt_id in self.core.prompt_ids() if prompt_id in prompt_ids]
-        self.core.finish_many(self.core.start_many(held, [[]] * len(held), [[]] * len(held)), None)
-        self.lingering.difference_update(prompt_ids)
+        requests runs): each index is rebuilt from the window alone at the prompt's next lookup."""
+        if prompt_ids:
+            self.core.drop_ended(sorted(prompt_ids))
+            self.lingering.difference_update(prompt_ids)
 
     def _sync(self, prompts: dict[str, list[int]], wait_s: float) -> None:
         """Ask the shards what the copies of ``prompts`` (id -> prompt tokens; those asked already

@@ -204,6 +204,10 @@ def run_random(seed: int, steps: int = 60, threads: int = 2) -> dict[str, int]:
                 last.pop(h, None)
             if how == "epoch" and rng.random() < 0.3:
                 epoch += 2
+        if rng.random() < 0.1:  # a drafter pool's engine copy lets go of the outputs that ended lingering
+            dropped = rng.sample(list(prompts) + ["unseen"], rng.randrange(1, min(4, len(prompts) + 2)))
+            ref.drop_ended(dropped)
+            nat.drop_ended(dropped)
         if rng.random() < 0.1:
             pid = rng.choice(list(prompts))
             out = sample(rng.randrange(1, 30), rng.choice(outputs) if outputs else None)
@@ -809,3 +813,26 @@ def test_the_workers_run_on_the_cores_given_and_the_caller_stays_where_it_was(th
     unpinned = make_core(threads=2, native=True)  # no cores: wherever the process may run
     workers = {task: cores for task, cores in thread_cores().items() if task not in before}
     assert unpinned.cores == frozenset() and workers and set(workers.values()) == {before[str(os.getpid())]}
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_drop_ended_takes_lingering_outputs_out_and_nothing_else(native):
+    """An output that ended lingering serves its prompt's lookups until ``drop_ended``; after it,
+    the prompt's window still serves them, and neither the recency order nor another prompt's
+    index moves."""
+    history, drafter, prefetch = HistoryConfig(prompt_tail=0), DrafterConfig(), PrefetchConfig()
+    core = (make_core(history, drafter, prefetch, native=True) if native
+            else ReferenceCore(history, drafter, prefetch))
+    core.add_rollout("p", [1, 2], [10, 11, 12, 13], 0)
+    core.add_rollout("q", [3, 4], [20, 21, 22, 23], 0)
+    ended = core.start("p", [1, 2], [30, 31, 32, 33])
+    core.finish(ended, None, linger=True)
+    assert core.lookup_context("p", [1, 2], [30, 31], 2).tokens == [32, 33]
+    order, q_index = core.prompt_ids(), core.index_shape("q")
+    core.drop_ended(["p", "unknown"])
+    assert core.prompt_ids() == order and core.index_shape("q") == q_index
+    assert core.index_shape("p") == (-1, -1, -1)
+    assert core.lookup_context("p", [1, 2], [30, 31], 2).tokens == []
+    assert core.lookup_context("p", [1, 2], [10, 11], 2).tokens == [12, 13]
+    core.drop_ended(["q"])  # nothing of q ended lingering: its index stays
+    assert core.index_shape("q") == q_index
