@@ -24,6 +24,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_by_epoch,
     )
     from ngramrl.bench.siblings import SIBLING_METHODS
+    from ngramrl.bench.steps import method_available
     from ngramrl.core.trace import read_trace
 
     traces = args.traces or builtin_traces()
@@ -31,6 +32,11 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"no trace given: replaying the {len(traces)} traces shipped with ngramrl", file=sys.stderr)
     default_methods = (list(SIBLING_METHODS) if args.regime == "siblings"
                        else BenchConfig.__dataclass_fields__["methods"].default_factory())
+    if not args.method:  # the default set runs what this machine can; a method asked for must run
+        for name in list(default_methods):
+            if missing := method_available(name):
+                print(f"ngramrl bench: skipping {name}: {missing}", file=sys.stderr)
+                default_methods.remove(name)
     config = BenchConfig(traces=traces, methods=args.method or default_methods, ks=args.k or [16], budget=args.budget,
                          sweep=SWEEP_BUDGETS if args.sweep or args.coverage_plot else [], regime=args.regime,
                          by_epoch=args.by_epoch, tree_width=args.tree_width)
@@ -132,6 +138,12 @@ def _generate(args: argparse.Namespace) -> int:
                               seed=args.seed, dtype=args.dtype)
     tasks = load_tasks(args.workload, args.prompts, seed=args.seed, spider_dir=args.spider_dir, task=args.task,
                        task_settings=settings)
+    if not tasks:
+        raise ValueError(f"the {args.workload} workload gave no prompts"
+                         + (f" from --spider-dir {args.spider_dir}" if args.spider_dir else ""))
+    if len(tasks) < args.prompts:
+        print(f"ngramrl generate: the {args.workload} workload has {len(tasks)} prompts, fewer than --prompts "
+              f"{args.prompts}", file=sys.stderr)
     config.model_dir = resolve_model(model)
     path = generate_trace(config, tasks)
     print(f"wrote {path}")
@@ -191,7 +203,7 @@ def _profile_gpu(args: argparse.Namespace) -> int:
         write_profile,
     )
 
-    OutputPaths(inputs=[p for p in (model_config_path(args.model),) if p]).file(args.out, "--out")
+    args.out = OutputPaths(inputs=[p for p in (model_config_path(args.model),) if p]).file(args.out, "--out")
     shape = model_shape(args.model)
     host = HostOverhead(*args.host_ms) if args.host_ms else HostOverhead()
     if args.roofline:

@@ -554,7 +554,8 @@ def test_generate_checks_its_output_before_loading_anything(tmp_path, capsys, mo
 @pytest.mark.parametrize("args, message", [
     (["--prompts", "0"], "--prompts must be >= 1, got 0"),
     (["--prompts", "-3"], "--prompts must be >= 1, got -3"),
-    (["--samples", "0"], "samples and epochs must be >= 1"),
+    (["--samples", "0"], "samples (--samples) must be >= 1, got 0"),
+    (["--batch-size", "0"], "batch_size (--batch-size) must be >= 1, got 0"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--model", "/nonexistent"], "--model: path '/nonexistent' is neither a model directory"),
     (["--model", "{tmp}"], "--model: path '{tmp}' is a directory but not a model directory"),
@@ -584,3 +585,68 @@ def test_train_names_a_garbage_snapshot_before_anything_starts(tmp_path, capsys)
     assert main(args) == 2  # refused before Ray or a model is touched
     assert f"{pool / 'shard-0.json.gz'}: not a readable drafter snapshot" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_bench_without_suffixdecoding_skips_it_by_default_and_refuses_it_when_asked(tmp_path, capsys, monkeypatch):
+    """A missing package is found before any replay: the default set goes on without the method
+    (and says so); a method asked for by name is an error before the replay starts."""
+    import ngramrl.bench.run
+    import ngramrl.bench.steps
+
+    missing = lambda m: "arctic-inference (SuffixDecoding) is not installed" if m == "suffix" else None  # noqa: E731
+    monkeypatch.setattr(ngramrl.bench.steps, "method_available", missing)
+    monkeypatch.setattr(ngramrl.bench.run, "method_available", missing)
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    out = tmp_path / "out.json"
+    assert main(["bench", trace, "--json", str(out), "--no-progress"]) == 0
+    assert "skipping suffix: arctic-inference (SuffixDecoding) is not installed" in capsys.readouterr().err
+    assert "suffix" not in {r["method"] for r in json.loads(out.read_text())["runs"]}
+    no_replay(monkeypatch)
+    assert main(["bench", trace, "--method", "suffix", "--no-progress"]) == 2
+    assert "method 'suffix' cannot run here: arctic-inference" in capsys.readouterr().err
+
+
+def test_bench_run_objects_say_their_regime(tmp_path):
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    for regime in ("epochs", "siblings"):
+        out = tmp_path / f"{regime}.json"
+        assert main(["bench", trace, "--regime", regime, "--method", "ngramrl", "--json", str(out),
+                     "--no-progress"]) == 0
+        assert [r["regime"] for r in json.loads(out.read_text())["runs"]] == [regime]
+
+
+def test_bench_coverage_flags_need_the_method_they_measure(tmp_path, capsys, monkeypatch):
+    trace = small_trace(tmp_path / "toy.jsonl.gz")
+    no_replay(monkeypatch)
+    assert main(["bench", trace, "--method", "pld", "--coverage-plot", str(tmp_path / "c.png"), "--no-progress"]) == 2
+    assert "add --method ngramrl" in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_bench_oracles_replay_rollouts_of_an_empty_prompt(tmp_path):
+    path = tmp_path / "empty_prompt.jsonl"
+    rollouts = [Rollout("a", epoch, s, [], [10, 11, 12, 13, 2], "stop") for epoch in range(2) for s in range(2)]
+    write_trace(str(path), TraceHeader(vocab_size=100, eos_token_ids=[2]), rollouts)
+    out = tmp_path / "out.json"
+    assert main(["bench", str(path), "--method", "oracle", "--method", "oracle-prompt", "--method", "none",
+                 "--json", str(out),
+                 "--no-progress"]) == 0
+    runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs["oracle"]["forwards"] < runs["none"]["forwards"]
+
+
+def test_bench_refuses_a_trace_whose_replayed_rollouts_are_all_empty(tmp_path, capsys):
+    path = tmp_path / "empty_outputs.jsonl"
+    rollouts = [Rollout("a", 0, 0, [1, 2], [10, 11, 2], "stop"), Rollout("a", 1, 0, [1, 2], [], "length")]
+    write_trace(str(path), TraceHeader(vocab_size=100, eos_token_ids=[2]), rollouts)
+    assert main(["bench", str(path), "--no-progress"]) == 2
+    assert "every rollout of epoch 1 and later has an empty output" in capsys.readouterr().err
+
+
+def test_outputs_given_with_a_tilde_are_written_where_they_were_checked(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile-gpu", "--roofline", "h100", "--out=~/h100.json"]) == 0
+    assert (home / "h100.json").exists()

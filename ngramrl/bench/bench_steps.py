@@ -193,7 +193,7 @@ def default_profile(k: int) -> StepProfile:
 
 def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print_now) -> dict:
     inputs = [*config.traces, *([config.profile] if config.profile else [])]
-    OutputPaths(inputs=inputs).file(config.json_out, "--json")
+    config.json_out = OutputPaths(inputs=inputs).file(config.json_out, "--json")
     traces = load_traces(config.traces)  # every one read and checked for epochs to replay before any work starts
     profile = load_profile(config.profile) if config.profile else default_profile(config.k)
     skipped = {m: why for m in config.methods if (why := method_available(m))}
@@ -225,7 +225,9 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
         # With windows_move the window keeps the epochs before the replayed one only: each
         # prompt's first finished rollout evicts its oldest epoch's, as in an RL run once every
         # prompt has more epochs than the window keeps (its index is rebuilt, once per epoch).
-        history = HistoryConfig(epochs_kept=last) if config.windows_move else HistoryConfig()
+        # (a trace cut from a long run may start at any epoch)
+        first = min(r.epoch for r in trace.rollouts)
+        history = HistoryConfig(epochs_kept=max(1, last - first)) if config.windows_move else HistoryConfig()
         grid = [entry for entry in step_runs(config) if entry[0] not in skipped]
         for batch in config.batches:
             workload = prepare_workload(trace, last, copies_for(trace, last, 2 * batch))

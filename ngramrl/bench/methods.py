@@ -513,6 +513,8 @@ class OracleMethod:
 
     def propose(self, k: int) -> list[int]:
         future = self.truth[self.done:self.done + k]
+        if not self.context:  # an empty prompt: no state to continue from
+            return []
         last = self.context[-1]
         best = self._history_run(last, future)
         # Own context, overlapping copies allowed: ext = context + future.
@@ -568,6 +570,8 @@ class PromptOracleMethod(OracleMethod):
 
     def propose(self, k: int) -> list[int]:
         future = self.truth[self.done:self.done + k]
+        if not self.context:
+            return []
         return future[:self._history_run(self.context[-1], future)]
 
 

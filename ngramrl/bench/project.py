@@ -83,7 +83,7 @@ def profile_summary(profile: StepProfile, path: str, cpu_scale: float) -> dict:
 
 
 def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -> dict:
-    OutputPaths(inputs=[*config.traces, config.profile]).file(config.json_out, "--json")
+    config.json_out = OutputPaths(inputs=[*config.traces, config.profile]).file(config.json_out, "--json")
     profile = load_profile(config.profile)
     traces = load_traces(config.traces)  # every one read and checked for epochs to replay before any work starts
     if config.host is not None:

@@ -34,6 +34,7 @@ class ReplayResult:
     step_ns: list[int] = field(default_factory=list)
     coverage: dict | None = None
     tree_width: int | None = None  # root-to-leaf paths of a tree method's drafts
+    regime: str = "epochs"  # what the method drafted from (ngramrl.bench.run.REGIMES)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -48,6 +49,7 @@ class ReplayResult:
             "trace": self.trace,
             "workload": self.workload,
             "method": self.method,
+            "regime": self.regime,
             "k": self.k,
             "rollouts": self.rollouts,
             "tokens": self.tokens,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ngramrl.bench.methods import METHOD_NAMES, CoverageTally, NgramRLMethod, NgramRLTreeMethod, make_method
 from ngramrl.bench.replay import ReplayResult, replay
 from ngramrl.bench.siblings import SIBLING_METHODS, make_sibling_method, replay_siblings
+from ngramrl.bench.steps import method_available
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.trace import Trace, read_trace
 
@@ -49,6 +50,13 @@ class BenchConfig:
             if name not in allowed:
                 raise ValueError(f"method {name!r} is not in the {self.regime} regime; choose from "
                                  f"{', '.join(allowed)}")
+        for name in self.methods:
+            missing = method_available(name)
+            if missing:
+                raise ValueError(f"method {name!r} cannot run here: {missing}")
+        if self.sweep and "ngramrl" not in self.methods:
+            raise ValueError("--sweep and --coverage-plot measure the ngramrl method's prefetch coverage; "
+                             "add --method ngramrl")
         if self.by_epoch and self.regime != "epochs":
             raise ValueError("--by-epoch splits the epochs regime's replay; the siblings regime has no earlier epochs")
         if self.regime == "siblings" and self.sweep:
@@ -184,6 +192,9 @@ def load_traces(paths: list[str], regime: str = "epochs") -> list[Trace]:
             held = f"epoch {epochs[0]} only" if epochs else "no rollouts"
             raise ValueError(f"{trace.path}: nothing to replay: it holds {held}; the replay counts rollouts of "
                              f"epoch 1 and later, drafted from the epochs before them (trace-format.md)")
+        if not any(r.output for r in trace.rollouts if r.epoch >= 1):
+            raise ValueError(f"{trace.path}: nothing to replay: every rollout of epoch 1 and later has an empty "
+                             f"output")
     return traces
 
 

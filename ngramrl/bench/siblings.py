@@ -167,7 +167,7 @@ def make_sibling_method(name: str, drafter: DrafterConfig | None = None,
 
 def replay_siblings(trace: Trace, method: SiblingMethod, k: int, trace_name: str | None = None) -> ReplayResult:
     """Replay every (prompt, epoch) group of ``trace`` with its samples concurrent (see the module)."""
-    result = ReplayResult(trace_name or trace.path, trace.workload, method.name, k)
+    result = ReplayResult(trace_name or trace.path, trace.workload, method.name, k, regime="siblings")
     result.accepted_hist = [0] * (k + 1)
     clock = time.perf_counter_ns
     ordered = sorted(trace.rollouts, key=lambda r: (r.epoch, r.prompt_id, r.sample))

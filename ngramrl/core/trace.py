@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 import os
 import zlib
 from collections.abc import Iterable, Iterator
@@ -113,7 +114,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite JSON number (Python's json reads NaN and Infinity, which strict JSON has not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _token_list(path: str, line: int, name: str, value: Any, vocab_size: int) -> list[int]:
@@ -139,7 +141,7 @@ def _parse_header(path: str, raw: str) -> TraceHeader:
     version = obj.get("ngramrl_trace")
     if version is None:
         raise TraceError(path, 1, "header is missing 'ngramrl_trace' (is this a trace file?)")
-    if version != TRACE_VERSION:
+    if not _is_int(version) or version != TRACE_VERSION:
         raise TraceError(path, 1, f"unsupported trace version {version!r} (this reader knows {TRACE_VERSION})")
     vocab_size = obj.get("vocab_size")
     if not _is_int(vocab_size) or vocab_size <= 0:
@@ -251,16 +253,33 @@ def read_trace(path: str) -> Trace:
     return Trace(header, rollouts, path)
 
 
+def model_vocab_size(model_dir: str, tokenizer_size: int) -> int:
+    """The header's ``vocab_size`` for rollouts of the model in ``model_dir``: the larger of its
+    tokenizer's size and its embedding table's (config.json), which models pad to a multiple and
+    may sample from."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return tokenizer_size
+    sizes = [config.get("vocab_size"), (config.get("text_config") or {}).get("vocab_size")]
+    return max([tokenizer_size, *(s for s in sizes if _is_int(s))])
+
+
 def write_trace(path: str, header: TraceHeader, rollouts: Iterable[Rollout]) -> None:
     """Write atomically (temporary file, then rename) so a crash never leaves half a trace."""
     ordered = sorted(rollouts, key=lambda r: (r.epoch, r.prompt_id, r.sample))
     tmp = f"{path}.tmp-{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     handle = gzip.open(tmp, "wt", encoding="utf-8") if path.endswith(".gz") else open(tmp, "w", encoding="utf-8")
-    with handle:
-        handle.write(json.dumps(header.to_json()) + "\n")
-        for rollout in ordered:
-            handle.write(json.dumps(rollout.to_json(), separators=(",", ":")) + "\n")
+    try:
+        with handle:
+            handle.write(json.dumps(header.to_json(), allow_nan=False) + "\n")
+            for rollout in ordered:
+                handle.write(json.dumps(rollout.to_json(), separators=(",", ":"), allow_nan=False) + "\n")
+    except BaseException:
+        os.unlink(tmp)
+        raise
     os.replace(tmp, path)
 
 

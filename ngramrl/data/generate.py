@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from ngramrl.config import ENGINE_DTYPES
-from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
+from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter, model_vocab_size
 from ngramrl.data.workloads import Task
 from ngramrl.devices import resolve_dtype
 
@@ -36,14 +36,13 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}")
-        if self.samples < 1 or self.epochs < 1:
-            raise ValueError("samples and epochs must be >= 1")
+        for name in ("samples", "epochs", "max_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1 or self.batch_size < 1:
-            raise ValueError("max_tokens and batch_size must be >= 1")
 
 
 def generate_trace(config: GenerationConfig, tasks: list[Task], progress: bool = True) -> str:
@@ -71,7 +70,7 @@ def generate_trace(config: GenerationConfig, tasks: list[Task], progress: bool =
     }
     prompts = {pid: list(ids["input_ids"] if isinstance(ids, dict) else ids) for pid, ids in prompts.items()}
     header = TraceHeader(
-        vocab_size=len(tokenizer), eos_token_ids=eos_ids,
+        vocab_size=model_vocab_size(config.model_dir, len(tokenizer)), eos_token_ids=eos_ids,
         model=os.path.basename(os.path.normpath(config.model_dir)), tokenizer=os.path.basename(
             os.path.normpath(config.model_dir)), workload=config.workload, temperature=config.temperature,
         top_p=config.top_p, top_k=-1, max_tokens=config.max_tokens, extra={"dtype": dtype},

@@ -17,7 +17,7 @@ from typing import Any
 
 from ngramrl import devices
 from ngramrl.config import ENGINE_DTYPES, NgramRLConfig
-from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
+from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter, model_vocab_size
 from ngramrl.engine.vllm_proposer import CONFIG_ENV, config_to_env
 from ngramrl.engine.worker_extension import EXTENSION
 
@@ -193,7 +193,7 @@ class RolloutEngine:
     def trace_writer(self, path: str, workload: str | None = None, temperature: float | None = None) -> TraceWriter:
         tokenizer = self.llm.get_tokenizer()
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        header = TraceHeader(vocab_size=len(tokenizer), eos_token_ids=eos,
+        header = TraceHeader(vocab_size=model_vocab_size(self.config.model, len(tokenizer)), eos_token_ids=eos,
                              model=os.path.basename(os.path.normpath(self.config.model)), workload=workload,
                              temperature=temperature)
         return TraceWriter(path, header)

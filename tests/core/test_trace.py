@@ -4,7 +4,7 @@ import zlib
 
 import pytest
 
-from ngramrl.core.trace import Rollout, TraceError, TraceHeader, read_trace, write_trace
+from ngramrl.core.trace import Rollout, TraceError, TraceHeader, model_vocab_size, read_trace, write_trace
 
 HEADER = {"ngramrl_trace": 1, "vocab_size": 100, "eos_token_ids": [2], "workload": "toy"}
 
@@ -64,6 +64,9 @@ def test_workload_falls_back_to_file_name_without_its_extensions(tmp_path, name,
         ([json.dumps(HEADER), ""], 2, "empty line"),
         ([json.dumps({"vocab_size": 10, "eos_token_ids": [1]})], 1, "missing 'ngramrl_trace'"),
         ([json.dumps({**HEADER, "ngramrl_trace": 2})], 1, "unsupported trace version"),
+        ([json.dumps({**HEADER, "ngramrl_trace": True})], 1, "unsupported trace version"),
+        ([json.dumps(HEADER), rollout_line(reward=float("nan"))], 2, "'reward' must be a number, got nan"),
+        ([json.dumps({**HEADER, "temperature": float("inf")})], 1, "'temperature' must be a number"),
         ([json.dumps({**HEADER, "vocab_size": 0})], 1, "vocab_size"),
         ([json.dumps({**HEADER, "eos_token_ids": 2})], 1, "eos_token_ids"),
     ],
@@ -107,3 +110,18 @@ def test_a_file_level_error_names_no_line(tmp_path):
     with pytest.raises(TraceError) as info:
         read_trace(str(broken))
     assert str(info.value).startswith(f"{broken}: cannot read file: ") and info.value.line is None
+
+
+def test_a_trace_is_never_written_with_numbers_strict_json_lacks(tmp_path):
+    rollout = Rollout("a", 0, 0, [1], [2], "stop", reward=float("nan"))
+    with pytest.raises(ValueError):
+        write_trace(str(tmp_path / "nan.jsonl"), TraceHeader(vocab_size=10, eos_token_ids=[1]), [rollout])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_vocabulary_covers_the_models_padded_embedding_table(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 151936}))
+    assert model_vocab_size(str(tmp_path), 151665) == 151936
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 262208}}))
+    assert model_vocab_size(str(tmp_path), 262145) == 262208
+    assert model_vocab_size(str(tmp_path / "missing"), 100) == 100
