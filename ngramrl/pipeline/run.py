@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter
+from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter, model_vocab_size
 from ngramrl.data.models import resolve_model
 from ngramrl.engine.rollouts import PromptSpec
 from ngramrl.pipeline.config import ConfigError, TrainConfig, load_reward
@@ -229,7 +230,8 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         engine_dtype = _engine_dtype(_wait(ray, [w.dtype.remote() for w in workers], "the engines' dtype", limit),
                                      config.model.rollout_dtype)
         trace = TraceWriter(os.path.join(output_dir, TRACE_FILE), TraceHeader(
-            vocab_size=len(tokenizer), eos_token_ids=eos, model=os.path.basename(os.path.normpath(model_dir)),
+            vocab_size=model_vocab_size(model_dir, len(tokenizer)), eos_token_ids=eos,
+            model=os.path.basename(os.path.normpath(model_dir)),
             workload=config.workload.name, temperature=rollout.temperature, top_p=rollout.top_p,
             max_tokens=rollout.max_tokens, extra={"ngramrl_run": os.path.basename(output_dir), "dtype": engine_dtype}))
         trace.rollouts.extend(earlier.rollouts)
@@ -261,7 +263,9 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
                 visits[p.prompt_id] = visits.get(p.prompt_id, 0) + 1
             progress.set_description(f"step {step}: rewards")
             texts = tokenizer.batch_decode([r.output for r in step_rollouts], skip_special_tokens=True)
-            scores = [score_fn(text, references[r.prompt_id]) for text, r in zip(texts, step_rollouts, strict=True)]
+            scores = _checked_scores([score_fn(text, references[r.prompt_id]) for text, r in
+                                      zip(texts, step_rollouts, strict=True)], step_rollouts, step,
+                                     config.workload.reward or config.workload.name)
             advantages = group_advantages(scores, [r.prompt_id for r in step_rollouts])
             progress.set_description(f"step {step}: training")
             samples = [{"prompt": r.prompt, "output": r.output, "advantage": a}
@@ -311,11 +315,14 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
                                                    trace.path, rollout.num_speculative_tokens, config.ngramrl.history)
         tracker.log_report(result.report_path, summary)
         return result
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as stopped:
+        # Whatever stops the run (Ctrl-C, a reward that fails, an actor lost), what the finished
+        # steps made is kept for --resume.
         save_policy = None
         if trained_steps != saved_steps:
             save_policy = functools.partial(_save_policy, ray, trainers, tokenizer, output_dir, trained_steps, limit)
-        _save_interrupted(output_dir, step, earlier.records, records, trace, pool, save_policy)
+        _save_interrupted(output_dir, step, earlier.records, records, trace, pool, save_policy,
+                          failure=None if isinstance(stopped, KeyboardInterrupt) else stopped)
         raise
     finally:
         tracker.finish()
@@ -370,12 +377,30 @@ def _save_policy(ray: Any, trainers: list[Any], tokenizer: Any, output_dir: str,
     return steps
 
 
+def _checked_scores(scores: list[Any], rollouts: list[Rollout], step: int, reward_name: str) -> list[float]:
+    """The step's rewards as floats; a reward that is not a finite number stops the run before it
+    trains on it (one NaN makes every advantage of its group NaN, and then the weights)."""
+    checked = []
+    for score, rollout in zip(scores, rollouts, strict=True):
+        try:
+            value = float(score)
+        except (TypeError, ValueError):
+            value = math.nan
+        if isinstance(score, (str, bytes)) or not math.isfinite(value):
+            raise ValueError(f"the reward {reward_name!r} returned {score!r} for a rollout of prompt "
+                             f"{rollout.prompt_id!r} in step {step}: a reward must be a finite number")
+        checked.append(value)
+    return checked
+
+
 def _save_interrupted(output_dir: str, step: int, before: list[dict[str, Any]], records: list[StepRecord],
                       trace: TraceWriter | None, pool: DrafterPool | None,
-                      save_policy: Callable[[], int] | None = None) -> None:
-    """SIGINT: keep what the finished steps made, and say what was kept."""
+                      save_policy: Callable[[], int] | None = None, failure: BaseException | None = None) -> None:
+    """SIGINT (or ``failure``, an error that stops the run): keep what the finished steps made, and
+    say what was kept."""
     import sys
 
+    how = "interrupted" if failure is None else f"stopped by an error ({type(failure).__name__}: {failure})"
     saved = [f"{METRICS_FILE} and {SUMMARY_FILE} ({len(records)} steps this run)"]
     _write_summary(output_dir, before, records)
     if trace is not None:
@@ -386,13 +411,13 @@ def _save_interrupted(output_dir: str, step: int, before: list[dict[str, Any]], 
         saved.append(f"{POOL_DIR}/ (the drafter pool" + (f"; shards {', '.join(failed)} could not save now"
                                                          if failed else "") + ")")
     if save_policy is not None:  # last: the trainers may still be finishing a step's update
-        print(f"ngramrl train: interrupted; saved {', '.join(saved)}; saving the policy (Ctrl-C again to stop "
-              f"without it)", file=sys.stderr, flush=True)
+        print(f"ngramrl train: {how}; saved {', '.join(saved)}; saving the policy (Ctrl-C to stop without it)",
+              file=sys.stderr, flush=True)
         try:
             saved.append(f"{POLICY_DIR}/ (the policy after {save_policy()} steps)")
         except Exception as err:  # noqa: BLE001 - what else was saved is still said
             saved.append(f"not the policy ({err})")
-    print(f"ngramrl train: interrupted in step {step}; saved {', '.join(saved)} in {output_dir}; continue it "
+    print(f"ngramrl train: {how} in step {step}; saved {', '.join(saved)} in {output_dir}; continue it "
           f"with --resume", file=sys.stderr, flush=True)
 
 

@@ -20,6 +20,20 @@ def diversity_reward(text: str, reference: dict) -> float:
     return len(set(text)) / 32.0
 
 
+class NanAfter:
+    """A reward that breaks (NaN) once ``calls`` rollouts were scored: a user's reward with a bug."""
+
+    def __init__(self, calls: int) -> None:
+        self.calls = calls
+
+    def __call__(self, text: str, reference: dict) -> float:
+        self.calls -= 1
+        return diversity_reward(text, reference) if self.calls >= 0 else float("nan")
+
+
+nan_in_step_1 = NanAfter(2 * 4)  # run_config's step: 2 prompts x 4 samples
+
+
 @pytest.fixture(scope="module")
 def model_2k(tmp_path_factory):
     from tests.conftest import build_tiny_model
@@ -140,6 +154,21 @@ def test_training_changes_the_policy_and_the_engines_follow(model_2k, tmp_path):
     assert resumed.steps[0].policy_checksum == pytest.approx(second.policy_checksum, rel=1e-4)
     assert resumed.steps[0].weight_sync_error < 1e-4
     assert json.loads((tmp_path / "policy" / "ngramrl_policy.json").read_text()) == {"steps": 3}
+
+
+def test_a_reward_that_is_not_a_number_stops_the_run_keeping_the_steps_before(model_2k, tmp_path, capsys):
+    """Step 1's reward is NaN: the run stops there with an error that names the reward, before
+    training on it, and keeps step 0 (its metrics, rollouts and the policy it trained) for --resume."""
+    from ngramrl.pipeline.run import train
+
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"the reward 'tests.pipeline.test_train:nan_in_step_1' returned nan .* "
+                                         r"in step 1: a reward must be a finite number"):
+        train(run_config(model_2k, out, "workload.reward=tests.pipeline.test_train:nan_in_step_1"))
+    assert "stopped by an error (ValueError" in capsys.readouterr().err
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0]
+    assert {r.policy_version for r in read_trace(str(out / "rollouts.jsonl.gz")).rollouts} == {0}
+    assert json.loads((out / "policy" / "ngramrl_policy.json").read_text()) == {"steps": 1}
 
 
 def test_sigint_saves_the_run_and_resume_continues_it(model_2k, tmp_path):
