@@ -133,3 +133,65 @@ def test_unsupported_versions_are_named(monkeypatch):
     with pytest.raises(integration.UnsupportedVersion,
                        match=r"OpenRLHF 0\.11\.x with vLLM 0\.29\.x to 0\.33\.x, but openrlhf 0\.9\.0 is installed"):
         integration.check_versions()
+
+
+@pytest.mark.parametrize("script, cluster_gpus", [("train_openrlhf_grpo_single_node.sh", 8),
+                                                  ("train_openrlhf_grpo_multi_node.sh", 32)])
+def test_launch_scripts_pass_openrlhfs_checks_and_fit_their_cluster(script, cluster_gpus, tmp_path, monkeypatch):
+    """What a launch script submits, parsed and checked by OpenRLHF's own entry point (stopped where
+    it would start training), then held to what its training needs: a reward, every model placed
+    on the cluster's GPUs, and outputs that outlive the job's working directory."""
+    import json
+    import runpy
+
+    import openrlhf.utils
+    import ray
+
+    from ngramrl.openrlhf.patch import split_args
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    fake_ray = tmp_path / "bin" / "ray"  # records the job the script submits
+    fake_ray.parent.mkdir()
+    fake_ray.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                        f"json.dump(sys.argv[1:], open({str(tmp_path / 'job.json')!r}, 'w'))\n")
+    fake_ray.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("SAVE", "MODEL", "DATA", "REWARD")}
+    subprocess.run(["bash", os.path.join(root, "train_scripts", script)], check=True, timeout=60,
+                   env={**env, "PATH": f"{fake_ray.parent}:{os.environ['PATH']}"})
+    job = json.loads((tmp_path / "job.json").read_text())
+    command = job[job.index("--") + 1:]
+    assert command[:3] == ["python3", "-m", "ngramrl.openrlhf"]
+    options, openrlhf_args = split_args(command[3:])
+
+    class Parsed(Exception):
+        pass
+
+    def stop_at_training(args):
+        raise Parsed(args)
+
+    monkeypatch.setattr(openrlhf.utils, "get_strategy", stop_at_training)
+    # The actor classes it imports need OpenRLHF's training dependencies (peft, CUDA), not
+    # installed with its engine side; their placement is not what is checked here.
+    import types
+
+    for module, names in (("launcher", ("RayActorGroup", "ReferenceModelActor", "RewardModelActor")),
+                          ("ppo_actor", ("PolicyModelActor",)), ("ppo_critic", ("CriticModelActor",))):
+        monkeypatch.setitem(sys.modules, f"openrlhf.trainer.ray.{module}",
+                            types.SimpleNamespace(**dict.fromkeys(names)))
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(sys, "argv", ["openrlhf.cli.train_ppo_ray", *openrlhf_args])
+    with pytest.raises(Parsed) as parsed:
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")
+    args = parsed.value.args[0]
+    assert args.reward.model_name_or_path or args.reward.remote_url or args.train.agent_func_path
+    actor = args.actor.num_nodes * args.actor.num_gpus_per_node
+    engines = args.vllm.num_engines * args.vllm.tensor_parallel_size
+    if args.train.colocate_all:  # OpenRLHF's own condition, checked after the point it stopped at
+        assert actor == engines == cluster_gpus
+        assert (args.ref.num_nodes, args.ref.num_gpus_per_node) == (args.actor.num_nodes,
+                                                                    args.actor.num_gpus_per_node)
+    else:
+        reference = args.ref.num_nodes * args.ref.num_gpus_per_node if args.algo.kl.init_coef > 0 else 0
+        reward = 0 if args.reward.remote_url else args.reward.num_nodes * args.reward.num_gpus_per_node
+        assert actor + engines + reference + reward <= cluster_gpus
+    assert os.path.isabs(args.ckpt.output_dir) and os.path.isabs(options.save_dir)
