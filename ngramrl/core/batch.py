@@ -87,8 +87,9 @@ class DraftingCore(Protocol):
     def lookup_context(self, prompt_id: str, prompt: Any, output: Any, k: int) -> Draft: ...
 
 
-def as_rows(handles: Any, tokens: Any, offsets: Any, ks: Any | None = None) -> tuple[np.ndarray, ...]:
-    """The step's arrays as the core reads them, checked (shape, bounds, each handle once)."""
+def as_rows(handles: Any, tokens: Any, offsets: Any, ks: Any | None = None,
+            what: str = "committed tokens") -> tuple[np.ndarray, ...]:
+    """The step's arrays as the core reads them, checked (shape, bounds, token ids, each handle once)."""
     handles = np.ascontiguousarray(handles, dtype=np.int64).reshape(-1)
     tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64).reshape(-1)
@@ -96,6 +97,9 @@ def as_rows(handles: Any, tokens: Any, offsets: Any, ks: Any | None = None) -> t
         raise ValueError(f"offsets has {len(offsets)} entries; {len(handles)} rows need {len(handles) + 1}")
     if len(handles) and (offsets[0] != 0 or offsets[-1] != len(tokens) or np.any(np.diff(offsets) < 0)):
         raise ValueError(f"offsets must rise from 0 to the {len(tokens)} tokens given")
+    if len(tokens) and tokens.min() < 0:  # the automaton takes a negative id for "no continuation"
+        at = int(np.argmax(tokens < 0))
+        raise ValueError(f"{what}[{at}] = {tokens[at]} is negative (token ids are >= 0)")
     if len(np.unique(handles)) != len(handles):
         raise ValueError("a request handle appears twice in one step")
     if ks is None:
@@ -104,6 +108,26 @@ def as_rows(handles: Any, tokens: Any, offsets: Any, ks: Any | None = None) -> t
     if len(ks) != len(handles):
         raise ValueError(f"ks has {len(ks)} entries for {len(handles)} rows")
     return handles, tokens, offsets, ks
+
+
+def _check_probabilities(probs: np.ndarray) -> None:
+    bad = ~((probs >= 0.0) & (probs <= 1.0))  # NaN too
+    if bad.any():
+        at = int(np.argmax(bad))
+        raise ValueError(f"estimates[{at}] = {probs[at]} is not a probability in [0, 1]")
+
+
+def checked_estimates(probs: Any, offsets: Any) -> tuple[list[float], list[int]]:
+    """Drafts' estimates (flat) and each draft's offsets (rows + 1, rising from 0 to the
+    estimates given), as lists; a ValueError before anything is read otherwise."""
+    probs = np.asarray(probs, dtype=np.float64).reshape(-1)
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1)
+    if len(offsets) == 0:
+        raise ValueError("offsets needs rows + 1 entries, got none")
+    if offsets[0] != 0 or offsets[-1] != len(probs) or np.any(np.diff(offsets) < 0):
+        raise ValueError(f"offsets must rise from 0 to the {len(probs)} estimates given")
+    _check_probabilities(probs)
+    return probs.tolist(), offsets.tolist()
 
 
 def arrival_order(handles: np.ndarray) -> list[int]:
@@ -379,11 +403,14 @@ class ReferenceCore:
         """The drafts (per row) just went to verification: predict their likeliest outcomes and
         look up the next draft of each. Reads only; ``collect`` returns what it chose. ``absorb``:
         rows to ``absorb`` first (the native core does both in one background job)."""
-        self.absorb(absorb)
-        handles, tokens, offsets = as_rows(handles, tokens, offsets)
+        handles, tokens, offsets = as_rows(handles, tokens, offsets, what="draft tokens")
         probs = np.ascontiguousarray(probs, dtype=np.float64).reshape(-1)
         if len(probs) != len(tokens):
             raise ValueError(f"{len(probs)} probabilities for {len(tokens)} draft tokens")
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        _check_probabilities(probs)
+        self.absorb(absorb)
         config = self.prefetch_config
         needs_global = self.drafter.config.use_global and self.history.built_global_index() is None
         planned, drafts = {}, {}
@@ -441,15 +468,19 @@ class ReferenceCore:
 
     def observe(self, probs: Any, offsets: Any, accepted: Any) -> None:
         """Verified drafts (their estimates, flat) and how many tokens of each were accepted."""
-        probs = np.asarray(probs, dtype=np.float64).tolist()
-        offsets = np.asarray(offsets, dtype=np.int64).tolist()
-        for i, count in enumerate(np.asarray(accepted, dtype=np.int64).tolist()):
+        probs, offsets = checked_estimates(probs, offsets)
+        accepted = np.asarray(accepted, dtype=np.int64).reshape(-1).tolist()
+        if len(accepted) + 1 != len(offsets):
+            raise ValueError(f"accepted has {len(accepted)} entries for {len(offsets) - 1} drafts")
+        if any(count < 0 for count in accepted):
+            at = next(i for i, count in enumerate(accepted) if count < 0)
+            raise ValueError(f"accepted[{at}] = {accepted[at]} is negative")
+        for i, count in enumerate(accepted):
             self.calibration.observe(probs[offsets[i]:offsets[i + 1]], count)
 
     def chances(self, probs: Any, offsets: Any) -> np.ndarray:
         """Calibrated acceptance chance of each draft token (flat, like ``probs``)."""
-        probs = np.asarray(probs, dtype=np.float64).tolist()
-        offsets = np.asarray(offsets, dtype=np.int64).tolist()
+        probs, offsets = checked_estimates(probs, offsets)
         out = []
         for i in range(len(offsets) - 1):
             out.extend(self.calibration.chances(probs[offsets[i]:offsets[i + 1]]))
@@ -485,8 +516,7 @@ def choose_lengths(calibration: AcceptanceCalibration, probs: Any, offsets: Any,
     the accepted tokens the unscaled chances expect of them, whether the cost model kept a token,
     and whether a probe chose."""
     model = step_cost(fit)
-    probs = np.asarray(probs, dtype=np.float64).tolist()
-    offsets = np.asarray(offsets, dtype=np.int64).tolist()
+    probs, offsets = checked_estimates(probs, offsets)
     rows = [probs[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
     if not any(rows):
         return np.zeros(len(rows), dtype=np.int32), 0.0, False, False

@@ -370,12 +370,15 @@ class RolloutHistory:
         for prompt_id, prompt, rollouts in exported:
             if not isinstance(prompt_id, str):
                 raise ValueError(f"prompt id {prompt_id!r} is not a string")
-            entry = self._entry(prompt_id, token_ids(prompt, f"prompt of {prompt_id!r}"))
+            prompt = token_ids(prompt, f"prompt of {prompt_id!r}")
+            what = f"rollout of {prompt_id!r}"
+            # every rollout checked before the prompt's window changes
+            window = [(_epoch(epoch, f"epoch of a {what}"), token_ids(tokens, what)) for epoch, tokens in rollouts]
+            entry = self._entry(prompt_id, prompt)
             if replace:
                 self._drop_rollouts(entry)
-            for epoch, tokens in rollouts:
-                what = f"rollout of {prompt_id!r}"
-                self._store(entry, _epoch(epoch, f"epoch of a {what}"), token_ids(tokens, what), index_it=True)
+            for epoch, tokens in window:
+                self._store(entry, epoch, tokens, index_it=True)
 
     def _drop_rollouts(self, entry: PromptHistory) -> None:
         """The prompt's window empties; the cross-prompt index counts its tokens as evicted."""

@@ -18,6 +18,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -25,6 +26,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #ifdef __linux__
@@ -125,10 +127,11 @@ public:
         wake_.notify_all();
     }
 
-    // Wait for the queued jobs to finish.
+    // Wait for the queued jobs to finish; a job that failed raises its error here (once).
     void wait() {
         std::unique_lock<std::mutex> lock(mutex_);
         idle_.wait(lock, [this] { return queue_.empty() && !busy_; });
+        if (failed_) std::rethrow_exception(std::exchange(failed_, nullptr));
     }
 
     // Wait at most ``seconds`` for the queued jobs to finish; whether they had.
@@ -181,6 +184,7 @@ private:
     std::deque<std::function<void()>> queue_;
     std::atomic<size_t> queued_{0};              // queue_.size(), for a spinning worker (changed under mutex_)
     bool busy_ = false, stop_ = false;           // a job is running; the workers end
+    std::exception_ptr failed_;                  // the first background job that failed, until wait()
     uint64_t rousals_ = 0;                       // rouse() calls (changed under mutex_)
     const std::function<void(size_t)>* job_ = nullptr;  // the current run's; null once run() returns
     size_t total_ = 0;
@@ -215,8 +219,14 @@ private:
                 queued_.store(queue_.size());
                 busy_ = true;
                 lock.unlock();
-                job();
+                std::exception_ptr failed;
+                try {
+                    job();
+                } catch (...) {  // uncaught on this thread it would end the process
+                    failed = std::current_exception();
+                }
                 lock.lock();
+                if (failed && !failed_) failed_ = failed;
                 busy_ = false;
                 if (queue_.empty()) idle_.notify_all();
             } else if (Clock::now() < awake_until) {
@@ -522,6 +532,11 @@ public:
     // (``replace``: in place of the rollouts it had).
     void restore_prompt(const std::string& id, const Tokens& prompt, const std::vector<std::pair<int64_t, Tokens>>& rollouts,
                         bool replace) {
+        check_tokens(prompt, "prompt");
+        for (const auto& r : rollouts) {
+            if (r.first < 0) throw py::value_error("epoch must be an integer >= 0, got " + std::to_string(r.first));
+            check_tokens(r.second, "rollout");
+        }
         join();
         // The entry is the most recently used: the token cap evicts it only when it is alone, which it never does.
         Prompt* entry = history_.entry_for(id, prompt);
@@ -661,6 +676,7 @@ public:
         timings_["step_wait_ns"] += begin - called;
         const size_t rows = handles.size();
         check_rows(rows, tokens.size(), offsets);
+        check_tokens(tokens, "committed tokens");
         if (ks.size() != rows)
             throw py::value_error("ks has " + std::to_string(ks.size()) + " entries for " + std::to_string(rows) +
                                   " rows");
@@ -851,6 +867,9 @@ public:
         if (probs.size() != tokens.size())
             throw py::value_error(std::to_string(probs.size()) + " probabilities for " + std::to_string(tokens.size()) +
                                   " draft tokens");
+        if (k < 0) throw py::value_error("k must be >= 0, got " + std::to_string(k));
+        check_tokens(tokens, "draft tokens");
+        check_probabilities(probs);
         std::vector<Request*> reqs = rows_of(handles), first;
         for (int64_t h : absorb_first) first.push_back(&get(h));
         span_open_ = true;
@@ -936,6 +955,14 @@ public:
 
     void observe(const std::vector<double>& probs, const std::vector<int64_t>& offsets,
                  const std::vector<int64_t>& accepted) {
+        check_estimates(probs, offsets);
+        if (accepted.size() + 1 != offsets.size())
+            throw py::value_error("accepted has " + std::to_string(accepted.size()) + " entries for " +
+                                  std::to_string(offsets.size() - 1) + " drafts");
+        for (size_t i = 0; i < accepted.size(); ++i)
+            if (accepted[i] < 0)
+                throw py::value_error("accepted[" + std::to_string(i) + "] = " + std::to_string(accepted[i]) +
+                                      " is negative");
         join();
         for (size_t i = 0; i + 1 < offsets.size(); ++i)
             calibration_.observe(probs.data() + offsets[i], static_cast<int>(offsets[i + 1] - offsets[i]),
@@ -943,6 +970,7 @@ public:
     }
 
     std::vector<double> chances(const std::vector<double>& probs, const std::vector<int64_t>& offsets) {
+        check_estimates(probs, offsets);
         join();
         std::vector<double> out(probs.size());
         for (size_t i = 0; i + 1 < offsets.size(); ++i)
@@ -953,6 +981,7 @@ public:
 
     LengthChoice lengths(const std::vector<double>& probs, const std::vector<int64_t>& offsets, double scale,
                          const std::vector<double>& coefficients, double min_gain, bool adaptive, int32_t probe_tokens) {
+        check_estimates(probs, offsets);
         join();
         LengthChoice out;
         if (coefficients.size() != 5) throw std::invalid_argument("a step-cost fit has 5 values");
@@ -1127,14 +1156,40 @@ private:
     }
 
     // A call's rows, checked before anything changes: offsets that rise from 0 to the tokens given.
-    static void check_rows(size_t rows, size_t tokens, const std::vector<int64_t>& offsets) {
+    static void check_rows(size_t rows, size_t tokens, const std::vector<int64_t>& offsets,
+                           const char* what = "tokens") {
         if (offsets.size() != rows + 1)
             throw py::value_error("offsets has " + std::to_string(offsets.size()) + " entries; " +
                                   std::to_string(rows) + " rows need " + std::to_string(rows + 1));
         if (rows == 0) return;
         bool rising = offsets[0] == 0 && offsets[rows] == static_cast<int64_t>(tokens);
         for (size_t i = 0; rising && i < rows; ++i) rising = offsets[i + 1] >= offsets[i];
-        if (!rising) throw py::value_error("offsets must rise from 0 to the " + std::to_string(tokens) + " tokens given");
+        if (!rising)
+            throw py::value_error("offsets must rise from 0 to the " + std::to_string(tokens) + " " + what + " given");
+    }
+
+    // Token ids are >= 0 (the automaton takes a negative one for "no continuation").
+    static void check_tokens(const Tokens& tokens, const char* what) {
+        for (size_t i = 0; i < tokens.size(); ++i)
+            if (tokens[i] < 0)
+                throw py::value_error(std::string(what) + "[" + std::to_string(i) + "] = " +
+                                      std::to_string(tokens[i]) + " is negative (token ids are >= 0)");
+    }
+
+    static void check_probabilities(const std::vector<double>& probs) {
+        for (size_t i = 0; i < probs.size(); ++i)
+            if (!(probs[i] >= 0.0 && probs[i] <= 1.0))  // NaN too
+                throw py::value_error("estimates[" + std::to_string(i) + "] = " + std::to_string(probs[i]) +
+                                      " is not a probability in [0, 1]");
+    }
+
+    // Drafts' estimates, flat, and the offsets of each draft's (rows + 1 entries).
+    static void check_estimates(const std::vector<double>& probs, const std::vector<int64_t>& offsets) {
+        if (offsets.empty()) throw py::value_error("offsets needs rows + 1 entries, got none");
+        check_rows(offsets.size() - 1, probs.size(), offsets, "estimates");
+        if (offsets.size() == 1 && !probs.empty())
+            throw py::value_error("offsets must rise from 0 to the " + std::to_string(probs.size()) + " estimates given");
+        check_probabilities(probs);
     }
 
     // The live requests the handles name, each at most once.

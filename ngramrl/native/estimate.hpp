@@ -661,7 +661,7 @@ inline void chains(const std::vector<std::vector<SourceMatch>>& sources, const i
         out.clear();
         out.tokens.reserve(ks[i]);  // one allocation each, not one per doubling as tokens are added
         out.probs.reserve(ks[i]);
-        out.matched = sources[i][0].match.matched;
+        out.matched = ks[i] > 0 ? sources[i][0].match.matched : 0;  // no draft: the reference's EMPTY
         PathJob& job = jobs[i];
         job.at.assign(sources[i].begin(), sources[i].end());
         job.path_prob = 1.0;
@@ -866,7 +866,8 @@ public:
     Calibration(double prior_strength, double decay) : prior_strength_(prior_strength), decay_(decay) {}
 
     static int bucket(int position) { return position < 4 ? position : position < 8 ? 4 : 5; }
-    static int decile(double estimate) { return std::min(9, static_cast<int>(estimate * 10)); }
+    // (estimates are probabilities, checked where they enter the core)
+    static int decile(double estimate) { return std::clamp(static_cast<int>(estimate * 10), 0, 9); }
 
     double chance(int position, double estimate) const {
         const int b = bucket(position), d = decile(estimate);

@@ -836,3 +836,50 @@ def test_drop_ended_takes_lingering_outputs_out_and_nothing_else(native):
     assert core.lookup_context("p", [1, 2], [10, 11], 2).tokens == [12, 13]
     core.drop_ended(["q"])  # nothing of q ended lingering: its index stays
     assert core.index_shape("q") == q_index
+
+
+def test_bad_estimates_token_ids_and_lengths_are_refused_before_anything_changes():
+    """The calls that take drafts' estimates, committed or drafted tokens, or a restored window
+    check them first (in C++ an unchecked offset or estimate wrote past its buffer, a negative k
+    ended the process, a negative token id entered the index as "no continuation")."""
+    ref, nat = pair(HistoryConfig(prompt_tail=0), DrafterConfig(use_global=False), PrefetchConfig())
+    fit = (0.03, 0.001, 0.001, 0.0, 0)
+    for core in (ref, nat):
+        core.add_rollout("p", [9], [1, 2, 3, 4], 0)
+        h = core.start("p", [9], [1], register=True)
+        core.step([h], [2], [0, 1], [3])
+        calibration, exported = core.calibration_state(), core.export()
+        for probs, offsets, message in (([0.5], [0, 2_000_000], "offsets must rise from 0 to the 1 estimates"),
+                                        ([0.5, 0.5, 0.5, 0.5, 0.5], [0, 5, 3], "offsets must rise"),
+                                        ([0.5], [], "offsets needs rows \\+ 1 entries"),
+                                        ([0.5, -0.5], [0, 2], r"estimates\[1\] = -0.5.* is not a probability"),
+                                        ([float("nan")], [0, 1], r"estimates\[0\] = nan is not a probability"),
+                                        ([1.5], [0, 1], "not a probability")):
+            with pytest.raises(ValueError, match=message):
+                core.observe(probs, offsets, [0] * max(0, len(offsets) - 1))
+            with pytest.raises(ValueError, match=message):
+                core.chances(probs, offsets)
+            with pytest.raises(ValueError, match=message):
+                core.lengths(probs, offsets, 1.0, fit, 0.0)
+        with pytest.raises(ValueError, match="accepted has 2 entries for 1 drafts"):
+            core.observe([0.5], [0, 1], [0, 1])
+        with pytest.raises(ValueError, match=r"accepted\[0\] = -1 is negative"):
+            core.observe([0.5], [0, 1], [-1])
+        with pytest.raises(ValueError, match="k must be >= 0, got -1"):
+            core.prefetch([h], [3], [0, 1], [0.5], -1)
+        with pytest.raises(ValueError, match=r"draft tokens\[0\] = -1 is negative"):
+            core.prefetch([h], [-1], [0, 1], [0.5], 3)
+        with pytest.raises(ValueError, match="not a probability"):
+            core.prefetch([h], [3], [0, 1], [float("nan")], 3)
+        with pytest.raises(ValueError, match=r"committed tokens\[1\] = -1 is negative"):
+            core.step([h], [3, -1], [0, 2], [3])
+        with pytest.raises(ValueError, match=r"committed tokens\[0\] = -2147483642 is negative"):
+            core.step([h], np.array([2**31 + 6], dtype=np.int64), [0, 1], [3])
+        with pytest.raises(ValueError, match="= -1 is negative"):
+            core.restore([["p", [9], [[1, [5, -1, 6]]]]], replace=True)
+        with pytest.raises(ValueError, match="must be an integer >= 0, got -5"):
+            core.restore([["p", [9], [[-5, [5, 6]]]]], replace=True)
+        assert core.calibration_state() == calibration and core.export() == exported
+        assert core.step([h], [3], [0, 1], [3]).tokens.tolist() == [4]  # the request goes on as it was
+        core.prefetch([h], [4], [0, 1], [0.5], 0)  # k = 0: outcomes without drafts, as the reference's
+        assert (core.collect().drafts.matched == 0).all()
