@@ -854,7 +854,8 @@ def test_bad_estimates_token_ids_and_lengths_are_refused_before_anything_changes
                                         ([0.5], [], "offsets needs rows \\+ 1 entries"),
                                         ([0.5, -0.5], [0, 2], r"estimates\[1\] = -0.5.* is not a probability"),
                                         ([float("nan")], [0, 1], r"estimates\[0\] = nan is not a probability"),
-                                        ([1.5], [0, 1], "not a probability")):
+                                        ([1.5], [0, 1], "not a probability"),
+                                        ([0.5] * 5 + [float("nan")] + [0.5] * 4, [0, 10], r"estimates\[5\] = nan")):
             with pytest.raises(ValueError, match=message):
                 core.observe(probs, offsets, [0] * max(0, len(offsets) - 1))
             with pytest.raises(ValueError, match=message):
