@@ -9,14 +9,14 @@
 # from this checkout). It builds the native drafting core in place where a compiler and pybind11
 # are at hand (else the drafting times are the Python reference's, and env.txt says so). Writes
 # eight small files to OUTDIR: env.txt, profile.json (+ .log), roofline.json, bench_steps.json,
-# projection.json (+ .txt), progress.txt. Each stage has a time limit, so the whole check ends
-# within about 10 minutes (an H200 with a 16-core host took 64 s for the default profile, about
-# 2 minutes for the step times and about 4 for the projection with 14 jobs); if it is stopped,
-# progress.txt and the last lines it prints say how far it got, and what was finished is
-# already in OUTDIR.
+# projection.json (+ .txt), progress.txt. Each stage has a time limit: with the defaults they add
+# up to 9 minutes (BUILD + PROFILE + 60 s to build the model + STEPS + PROJECT), so the check fits a
+# 10-minute window (an H200 with a 16-core host took 64 s for the default profile). The step times
+# and the projection write what they finished as they go: one cut off by its limit leaves those
+# runs in OUTDIR, and progress.txt and the last lines printed say how far it got.
 #
 # Settings (environment): MODEL (qwen3-8b), DEVICE (cuda), QUICK (0; 1 for the small grid),
-# BUILD_BUDGET_S (90), PROFILE_BUDGET_S (150), STEPS_BUDGET_S (150), PROJECT_BUDGET_S (240),
+# BUILD_BUDGET_S (60), PROFILE_BUDGET_S (120), STEPS_BUDGET_S (120), PROJECT_BUDGET_S (180),
 # BATCHES ("1 32 128 512"), TRACES (the shipped ones), METHODS ("none pld suffix ngramrl
 # ngramrl-prefetch"; suffix is skipped, saying so, where arctic-inference is not installed),
 # JOBS (projection processes; the cores less two, at least 1), STEP_TRACES (the gsm T=0.6
@@ -33,16 +33,22 @@ PY=${PYTHON:-python3}
 MODEL=${MODEL:-qwen3-8b}
 DEVICE=${DEVICE:-cuda}
 QUICK=${QUICK:-0}
-BUILD_BUDGET_S=${BUILD_BUDGET_S:-90}
-PROFILE_BUDGET_S=${PROFILE_BUDGET_S:-150}
-STEPS_BUDGET_S=${STEPS_BUDGET_S:-150}
-PROJECT_BUDGET_S=${PROJECT_BUDGET_S:-240}
+BUILD_BUDGET_S=${BUILD_BUDGET_S:-60}
+PROFILE_BUDGET_S=${PROFILE_BUDGET_S:-120}
+STEPS_BUDGET_S=${STEPS_BUDGET_S:-120}
+PROJECT_BUDGET_S=${PROJECT_BUDGET_S:-180}
 BATCHES=${BATCHES:-1 32 128 512}
 METHODS=${METHODS:-none pld suffix ngramrl ngramrl-prefetch}
-TRACES=${TRACES:-$(ls "$ROOT"/ngramrl/traces/*.jsonl.gz)}
+# the trace lists as arrays: a checkout's path may hold spaces (TRACES and STEP_TRACES, when
+# given, are split at spaces)
+if [ -n "${TRACES:-}" ]; then read -r -a traces <<< "$TRACES"; else traces=("$ROOT"/ngramrl/traces/*.jsonl.gz); fi
+if [ -n "${STEP_TRACES:-}" ]; then
+    read -r -a step_traces <<< "$STEP_TRACES"
+else
+    step_traces=("$ROOT/ngramrl/traces/gsm-smollm2-t0.6.jsonl.gz")
+fi
 CORES=$(nproc 2>/dev/null || echo 1)
 JOBS=${JOBS:-$(( CORES > 3 ? CORES - 2 : 1 ))}
-STEP_TRACES=${STEP_TRACES:-$ROOT/ngramrl/traces/gsm-smollm2-t0.6.jsonl.gz}
 STEP_BATCHES=${STEP_BATCHES:-256 1024}
 STEP_THREADS=${STEP_THREADS:-1 2 8}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -92,8 +98,9 @@ if command -v nvidia-smi > /dev/null; then
 fi
 
 stage "native drafting core (at most ${BUILD_BUDGET_S} s)"
-# built in place in this checkout; a core already there for this Python is kept
-if ! "$PY" -c "import ngramrl._native" 2>/dev/null; then
+# built in place in this checkout; a core already there, built from these sources for this Python, is kept
+if ! "$PY" -c "import sys; from ngramrl.core.extension import native_module; sys.exit(native_module() is None)" \
+        2>/dev/null; then
     (cd "$ROOT" && timeout "$BUILD_BUDGET_S" "$PY" setup.py -q build_ext --inplace) >> "$OUT/env.txt" 2>&1 \
         || echo "gpu_check: building the native core failed or ran out of time" | tee -a "$OUT/env.txt" >&2
 fi
@@ -109,7 +116,7 @@ quick=()
 
 stage "measured step profile of $MODEL on $DEVICE (at most ${PROFILE_BUDGET_S} s of measuring)"
 # the measuring stops itself at its budget; the outer limit adds room for building the model
-timeout $(( PROFILE_BUDGET_S + 120 )) "$PY" -m ngramrl.cli profile-gpu --model "$MODEL" --device "$DEVICE" \
+timeout $(( PROFILE_BUDGET_S + 60 )) "$PY" -m ngramrl.cli profile-gpu --model "$MODEL" --device "$DEVICE" \
     "${quick[@]}" --time-budget-s "$PROFILE_BUDGET_S" --progress --out "$OUT/profile.json" \
     > "$OUT/profile.log" 2>&1
 code=$?
@@ -128,7 +135,7 @@ stage "drafting step times on this CPU at batches $STEP_BATCHES, threads $STEP_T
 # every row drafts k tokens (--draft-always): the most the proposer costs per step; the forward's
 # length, the prefetch's window, is the measured profile's; the text goes to the profile's log
 # shellcheck disable=SC2086
-timeout "$STEPS_BUDGET_S" "$PY" -m ngramrl.cli bench-steps $STEP_TRACES --batch $STEP_BATCHES \
+timeout "$STEPS_BUDGET_S" "$PY" -m ngramrl.cli bench-steps "${step_traces[@]}" --batch $STEP_BATCHES \
     --threads $STEP_THREADS --draft-always --profile "$OUT/profile.json" --json "$OUT/bench_steps.json" \
     2>&1 | tee -a "$OUT/profile.log"
 code=${PIPESTATUS[0]}
@@ -137,9 +144,9 @@ if [ "$code" -ne 0 ]; then
     failed="$failed bench-steps"
 fi
 
-stage "projection of $(echo $TRACES | wc -w) traces at engine batches $BATCHES, $JOBS at a time (at most ${PROJECT_BUDGET_S} s)"
+stage "projection of ${#traces[@]} traces at engine batches $BATCHES, $JOBS at a time (at most ${PROJECT_BUDGET_S} s)"
 # shellcheck disable=SC2086
-timeout "$PROJECT_BUDGET_S" "$PY" -m ngramrl.cli project $TRACES --profile "$OUT/profile.json" \
+timeout "$PROJECT_BUDGET_S" "$PY" -m ngramrl.cli project "${traces[@]}" --profile "$OUT/profile.json" \
     --engine-batch $BATCHES --method $METHODS --jobs "$JOBS" --json "$OUT/projection.json" 2>&1 \
     | tee "$OUT/projection.txt"
 code=${PIPESTATUS[0]}

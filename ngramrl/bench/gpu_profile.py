@@ -395,6 +395,8 @@ def measure_profile(shape: ModelShape, config: MeasureConfig | None = None, host
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: PyTorch sees no CUDA device here (use --device cpu, or --roofline)")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # CUDA graphs capture on the current device's stream
     dtype = getattr(torch, config.dtype)
     batches, tokens, contexts = config.grid()
     started = time.perf_counter()

@@ -101,6 +101,11 @@ class ModelShape:
         for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
             if key not in text:
                 raise ValueError(f"{where}: not a dense decoder configuration, no {key!r}")
+        experts = [key for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+                   if text.get(key)]
+        if experts:  # the shape would count one expert's MLP as the whole model's
+            raise ValueError(f"{where}: a mixture-of-experts configuration ({', '.join(experts)}); the step "
+                             f"profile models dense decoders only")
 
         def integer(key: str, default: int | None = None) -> int:
             value = text.get(key)

@@ -180,9 +180,13 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
     if not ray.is_initialized():
         needed = config.cpus_needed()
         kwargs: dict[str, Any] = {"namespace": config.ray.namespace, "include_dashboard": False}
-        if config.ray.address:
-            kwargs["address"] = config.ray.address
+        address = config.ray.address or os.environ.get("RAY_ADDRESS")  # the variable: a job's driver
+        if address:
+            kwargs["address"] = address
         else:
+            # A private cluster of its own: without "local", Ray joins a cluster that `ray start`
+            # left running on this machine (ray_cluster.sh's, for OpenRLHF), which refuses num_cpus.
+            kwargs["address"] = "local"
             # Ray's CPU counts are scheduling tokens: ask for enough that every actor fits on a small machine.
             kwargs["num_cpus"] = config.ray.num_cpus or max(int(needed + 0.999), os.cpu_count() or 1)
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster: no token needed

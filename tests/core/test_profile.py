@@ -160,6 +160,8 @@ TINY_CONFIG = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
     ({**TINY_CONFIG, "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false, got 'yes'"),
     ({"text_config": 3}, "text_config must be a JSON object, got 3"),
     ({k: v for k, v in TINY_CONFIG.items() if k != "vocab_size"}, "not a dense decoder configuration, no 'vocab_size'"),
+    ({**TINY_CONFIG, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+     "a mixture-of-experts configuration (num_experts, moe_intermediate_size)"),
 ])
 def test_a_bad_hugging_face_config_is_refused_naming_file_and_key(tmp_path, config, message):
     path = tmp_path / "config.json"
