@@ -188,6 +188,7 @@ class MethodRun:
                      if key in proposer_after}
             delta["cost_ms"] = {name: round(1000 * proposer_after.get(f"step_{name}_s", 0.0), 3)
                                 for name in ("base", "per_request", "per_token", "per_verify")}
+            delta["cost_ms"]["knee_tokens"] = int(proposer_after.get("step_knee_tokens") or 0)  # a GPU's plateau
             run["proposer"] = delta
         return run
 

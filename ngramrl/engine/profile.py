@@ -24,6 +24,7 @@ import statistics
 import time
 from typing import Any
 
+from ngramrl.core.cost import excess_tokens
 from ngramrl.core.profile import HostOverhead, ModelShape, StepProfile, write_profile
 
 DRAFT_KEY = "ngramrl_fixed_draft"
@@ -165,7 +166,9 @@ def profile_from_benchmark(path: str, method: str = "ngramrl", context: int = 25
     if not fits:
         raise ValueError(f"{path}: the {method!r} arm recorded no step-cost fit")
     batches = sorted(fits)
-    table = [[[fits[b]["base"] + fits[b]["per_request"] * b + fits[b]["per_token"] * b * (q - 1)
+    # draft tokens inside the forward's plateau (a GPU's; none on a CPU) cost nothing
+    table = [[[fits[b]["base"] + fits[b]["per_request"] * b
+               + fits[b]["per_token"] * excess_tokens(b, b * (q - 1), int(fits[b].get("knee_tokens", 0)))
                + fits[b]["per_verify"] * (q > 1)] for q in tokens] for b in batches]
     return StepProfile(
         source="engine", model={"name": os.path.basename(str(data.get("args", {}).get("model") or "smollm2-135m"))},

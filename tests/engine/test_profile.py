@@ -46,6 +46,18 @@ def test_a_benchmark_runs_fit_becomes_a_profile():
         profile_from_benchmark(path, method="medusa")
 
 
+def test_a_benchmark_fit_with_a_plateau_charges_only_the_draft_tokens_past_it(tmp_path):
+    """A GPU engine's fit has a knee: the forward costs the same up to that many tokens."""
+    fit = {"base": 5.0, "per_request": 0.01, "per_token": 0.1, "per_verify": 0.5, "knee_tokens": 64}
+    path = tmp_path / "gpu_engine.json"
+    path.write_text(json.dumps({"args": {"k": 8}, "results": [
+        {"method": "ngramrl", "runs": [{"concurrency": 32, "proposer": [{"cost_ms": fit}]}]}]}))
+    profile = profile_from_benchmark(str(path))
+    by_tokens = dict(zip(profile.tokens, (row[0] for row in profile.step_ms[0]), strict=True))
+    assert by_tokens[2] == pytest.approx(5.0 + 0.32 + 0.5)                 # 32 + 32 tokens: inside the plateau
+    assert by_tokens[3] == pytest.approx(5.0 + 0.32 + 0.1 * 32 + 0.5)      # 96 tokens: 32 past it
+
+
 def test_smoothing_recovers_a_linear_table_from_noisy_entries():
     batches, tokens = [1, 4, 16], [1, 2, 5]
 
