@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ngramrl.cli import main
-from ngramrl.config import PrefetchConfig
+from ngramrl.config import HistoryConfig, PrefetchConfig
 from ngramrl.core.extension import native_module
 from ngramrl.core.trace import Rollout, TraceHeader, write_trace
 
@@ -650,3 +650,15 @@ def test_outputs_given_with_a_tilde_are_written_where_they_were_checked(tmp_path
     monkeypatch.chdir(tmp_path)
     assert main(["profile-gpu", "--roofline", "h100", "--out=~/h100.json"]) == 0
     assert (home / "h100.json").exists()
+
+
+def test_bench_steps_windows_move_the_same_on_a_trace_cut_from_a_long_run():
+    """--windows-move keeps the epochs before the replayed one, counted from the trace's first."""
+    from ngramrl.bench.bench_steps import replay_history
+    from ngramrl.core.trace import Trace
+
+    header = TraceHeader(vocab_size=100, eos_token_ids=[2])
+    for first in (0, 3):
+        trace = Trace(header, [Rollout("a", first + epoch, 0, [1], [5, 2], "stop") for epoch in range(3)], "t")
+        assert replay_history(trace, windows_move=True).epochs_kept == 2
+        assert replay_history(trace, windows_move=False).epochs_kept == HistoryConfig().epochs_kept

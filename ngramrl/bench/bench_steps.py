@@ -35,6 +35,7 @@ from ngramrl.bench.steps import (
 )
 from ngramrl.config import EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.profile import MODEL_SHAPES, StepProfile, load_profile, roofline_profile
+from ngramrl.core.trace import Trace
 from ngramrl.paths import OutputPaths
 
 BENCH_STEPS_VERSION = 1
@@ -187,6 +188,18 @@ def budget_mean(proposer: object) -> float | None:
     return None if mean is None else round(mean, 2)
 
 
+def replay_history(trace: Trace, windows_move: bool) -> HistoryConfig:
+    """The drafter's window for replaying the trace's last epoch. With ``windows_move`` it keeps
+    the epochs before the replayed one only (counted from the trace's first: a trace cut from a
+    long run may start at any epoch): each prompt's first finished rollout evicts its oldest
+    epoch's, as in an RL run once every prompt has more epochs than the window keeps (its index
+    is rebuilt, once per epoch)."""
+    if not windows_move:
+        return HistoryConfig()
+    epochs = [r.epoch for r in trace.rollouts]
+    return HistoryConfig(epochs_kept=max(1, max(epochs) - min(epochs)))
+
+
 def default_profile(k: int) -> StepProfile:
     return roofline_profile("h100", MODEL_SHAPES["qwen3-8b"], k=k)
 
@@ -222,12 +235,7 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
 
     for trace in traces:
         last = max(r.epoch for r in trace.rollouts)
-        # With windows_move the window keeps the epochs before the replayed one only: each
-        # prompt's first finished rollout evicts its oldest epoch's, as in an RL run once every
-        # prompt has more epochs than the window keeps (its index is rebuilt, once per epoch).
-        # (a trace cut from a long run may start at any epoch)
-        first = min(r.epoch for r in trace.rollouts)
-        history = HistoryConfig(epochs_kept=max(1, last - first)) if config.windows_move else HistoryConfig()
+        history = replay_history(trace, config.windows_move)
         grid = [entry for entry in step_runs(config) if entry[0] not in skipped]
         for batch in config.batches:
             workload = prepare_workload(trace, last, copies_for(trace, last, 2 * batch))
