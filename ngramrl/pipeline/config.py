@@ -209,6 +209,7 @@ class TrainerSection:
     micro_batch_size: int = 8
     max_grad_norm: float = 1.0
     threads: int = 0                   # torch threads per trainer (0: all of the machine's; Ray would give 1)
+    save_optimizer: bool = True        # the optimizer's state saved with the policy: a resume goes on with it
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

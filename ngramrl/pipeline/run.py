@@ -225,12 +225,19 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
                                    num_gpus=config.trainer.num_gpus_per_actor,
                                    runtime_env=_threads_env(config.trainer.threads))(PolicyTrainer)
         trainers = [trainer_class.remote(start_dir, config.model, config.trainer, batch // world, run.seed, rank, world,
-                                         rollout.temperature) for rank in range(world)]
+                                         rollout.temperature, resume_optimizer=start_dir == earlier.policy_dir)
+                    for rank in range(world)]
         actors.extend(trainers)
         master, port = _wait(ray, trainers[0].rendezvous.remote(), "the trainer's rendezvous", min(limit, 300))
         trainer_ready = [t.setup.remote(master, port) for t in trainers]
-        _wait(ray, [w.eos_token_ids.remote() for w in workers] + trainer_ready,  # all up (errors surface here)
-              "starting the rollout engines and trainers", limit)
+        # all up (errors surface here); each trainer says why it did not restore the optimizer, if not
+        started = _wait(ray, [w.eos_token_ids.remote() for w in workers] + trainer_ready,
+                        "starting the rollout engines and trainers", limit)
+        if start_dir == earlier.policy_dir:
+            not_restored = [why for why in started[len(workers):] if why]
+            if not_restored:
+                logger.warning("the optimizer's state was not restored (%s): AdamW's moments start afresh",
+                               not_restored[0])
         engine_dtype = _engine_dtype(_wait(ray, [w.dtype.remote() for w in workers], "the engines' dtype", limit),
                                      config.model.rollout_dtype)
         trace = TraceWriter(os.path.join(output_dir, TRACE_FILE), TraceHeader(

@@ -13,6 +13,10 @@ from typing import Any
 
 from ngramrl.pipeline.config import ModelSection, TrainerSection
 
+# In a saved policy's directory: DeepSpeed's checkpoint of the trainer (every rank's optimizer
+# state, its fp32 weights under bf16), under one tag.
+OPTIMIZER_DIR, OPTIMIZER_TAG = "optimizer", "state"
+
 
 def _skip_shm_build() -> None:
     """Training on CPUs needs no shared-memory collectives: DeepSpeed uses its shm op only for
@@ -33,10 +37,12 @@ class PolicyTrainer:
     truncation are not applied to the log-probabilities (as in OpenRLHF and verl)."""
 
     def __init__(self, model_dir: str, model: ModelSection, trainer: TrainerSection, batch_per_rank: int, seed: int,
-                 rank: int = 0, world_size: int = 1, temperature: float = 1.0) -> None:
+                 rank: int = 0, world_size: int = 1, temperature: float = 1.0, resume_optimizer: bool = False) -> None:
         self.args = (model_dir, model, trainer, batch_per_rank, seed, rank, world_size)
         self.rank = rank
         self.temperature = temperature if temperature > 0 else 1.0
+        # a resumed run's trainers go on with the optimizer state saved beside its policy
+        self.resume_optimizer = resume_optimizer
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it (rank 0 hosts the process group)."""
@@ -93,6 +99,25 @@ class PolicyTrainer:
         if self.reference is not None:  # DeepSpeed moves only the engine's module to the device
             self.reference.to(self.device)
         self.version = 0
+        return self._load_optimizer(model_dir) if self.resume_optimizer else None
+
+    def _load_optimizer(self, policy_dir: str) -> str | None:
+        """The optimizer state saved with the policy in ``policy_dir`` (``save_policy``), loaded by
+        every rank; None when it was, else why not (then AdamW starts afresh). A state saved by
+        another number of ranks or ZeRO stage does not load."""
+        path = os.path.join(policy_dir, OPTIMIZER_DIR)
+        if not os.path.isdir(os.path.join(path, OPTIMIZER_TAG)):
+            return f"{path} holds no optimizer state"
+        try:
+            loaded, _ = self.engine.load_checkpoint(path, tag=OPTIMIZER_TAG, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=False)
+        except Exception as err:  # noqa: BLE001 - the run goes on from the policy alone, and says so
+            return f"{path} did not load ({type(err).__name__}: {err})"
+        if loaded is None:
+            return f"{path} did not load"
+        for group in self.engine.optimizer.param_groups:  # the saved state brings its run's learning rate
+            group["lr"] = self.config.learning_rate
+        return None
 
     def _batches(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Left-padded micro-batches, so every output ends in the last column and the LM head runs
@@ -225,11 +250,13 @@ class PolicyTrainer:
 
     def save_policy(self, path: str) -> None:
         """Write the policy (HF format, the trainer's dtype) to ``path`` from rank 0: a directory the
-        driver reads too, as the drafter pool's snapshots are. Every rank calls it (a collective
-        under ZeRO-3)."""
+        driver reads too, as the drafter pool's snapshots are; with ``save_optimizer``, each rank's
+        optimizer state beside it (``OPTIMIZER_DIR``). Every rank calls it (a collective under ZeRO-3)."""
         state = self._whole_state(None)
         if state is not None:
             self.engine.module.save_pretrained(path, state_dict=state)
+        if self.config.save_optimizer:
+            self.engine.save_checkpoint(os.path.join(path, OPTIMIZER_DIR), tag=OPTIMIZER_TAG, save_latest=False)
 
     def weights(self, dtype: str) -> dict[str, Any] | None:
         """The policy's weights in the engines' dtype, by HF name (what vLLM's load_weights takes),

@@ -26,6 +26,18 @@ def samples(advantages):
             for i, a in enumerate(advantages)]
 
 
+class Ranks:
+    def __init__(self, ranks, address):
+        self.ranks, self.address = ranks, address
+
+
+def start_ranks(model_dir, trainer_section, resume_optimizer):
+    remote = ray.remote(num_cpus=0)(PolicyTrainer)
+    ranks = [remote.remote(str(model_dir), ModelSection(path=str(model_dir)), trainer_section, 4, 0, rank, 2,
+                           resume_optimizer=resume_optimizer) for rank in range(2)]
+    return Ranks(ranks, ray.get(ranks[0].rendezvous.remote(), timeout=WAIT_S))
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_step_together_when_one_rank_has_no_signal(cluster, tiny_model_dir, stage, tmp_path):
     # Two updates per step under ZeRO-3: the rank without signal must still join the forwards that
@@ -67,6 +79,28 @@ def test_two_ranks_step_together_when_one_rank_has_no_signal(cluster, tiny_model
                           timeout=WAIT_S)
         assert [m["trained_samples"] for m in metrics] == [0, 0]
         assert ray.get([r.param_sums.remote(names, "bfloat16") for r in ranks], timeout=WAIT_S) == after
+        # Ranks started from the saved policy with its optimizer state take the next step exactly as
+        # the ranks that saved it; started from the policy alone (AdamW's moments at zero), not.
+        resumed = start_ranks(tmp_path / "policy", trainer_section, resume_optimizer=True)
+        fresh = start_ranks(tmp_path / "policy", trainer_section, resume_optimizer=False)
+        ranks = [*ranks, *resumed.ranks, *fresh.ranks]  # all killed at the end
+        assert ray.get([r.setup.remote(*resumed.address) for r in resumed.ranks], timeout=WAIT_S) == [None, None]
+        ray.get([r.setup.remote(*fresh.address) for r in fresh.ranks], timeout=WAIT_S)
+        sums = []
+        for group in (ranks[:2], resumed.ranks, fresh.ranks):
+            ray.get([group[0].train_step.remote(samples([1.0, -1.0, 0.5, -0.5])),
+                     group[1].train_step.remote(samples([0.5, -0.5, 0.0, 0.0]))], timeout=WAIT_S)
+            sums.append(ray.get(group[0].param_sums.remote(names, "bfloat16"), timeout=WAIT_S))
+        assert sums[1] == sums[0]
+        assert sums[2] != sums[0]
+        # a state saved by another number of ranks does not load: the run is told why
+        single = ray.remote(num_cpus=0)(PolicyTrainer).remote(
+            str(tmp_path / "policy"), ModelSection(path=str(tmp_path / "policy")),
+            TrainerSection(num_actors=1, zero_stage=stage, learning_rate=1e-2, micro_batch_size=2, threads=1),
+            4, 0, 0, 1, resume_optimizer=True)
+        ranks.append(single)
+        why = ray.get(single.setup.remote(*ray.get(single.rendezvous.remote(), timeout=WAIT_S)), timeout=WAIT_S)
+        assert why is not None and "did not load" in why
     finally:
         for rank in ranks:
             ray.kill(rank)
