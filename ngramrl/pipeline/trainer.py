@@ -80,9 +80,17 @@ class PolicyTrainer:
         policy.config.use_cache = False
         self.reference = None
         if trainer.kl_coef > 0:
-            self.reference = copy.deepcopy(policy).eval()
-            for parameter in self.reference.parameters():
+            reference = copy.deepcopy(policy).eval()
+            for parameter in reference.parameters():
                 parameter.requires_grad_(False)
+            if trainer.zero_stage == 3:
+                # Sharded like the policy: a whole copy on every rank would be the model once more on
+                # each GPU. Its forwards gather the shards, so every rank runs them together.
+                reference, *_ = deepspeed.initialize(model=reference, config={
+                    "train_micro_batch_size_per_gpu": trainer.micro_batch_size, "zero_optimization": {"stage": 3},
+                    "bf16": {"enabled": trainer.precision == "bf16"}, "steps_per_print": 1 << 30})
+                reference.eval()
+            self.reference = reference
         self.micro_batches = max(1, math.ceil(batch_per_rank / trainer.micro_batch_size))
         ds_config = {
             "train_micro_batch_size_per_gpu": trainer.micro_batch_size,
@@ -96,7 +104,7 @@ class PolicyTrainer:
         optimizer = torch.optim.AdamW(policy.parameters(), lr=trainer.learning_rate, weight_decay=0.0)
         self.engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, config=ds_config)
         self.device = self.engine.device
-        if self.reference is not None:  # DeepSpeed moves only the engine's module to the device
+        if self.reference is not None and trainer.zero_stage != 3:  # DeepSpeed moved only its engines' modules
             self.reference.to(self.device)
         self.version = 0
         return self._load_optimizer(model_dir) if self.resume_optimizer else None
@@ -183,8 +191,7 @@ class PolicyTrainer:
         with torch.no_grad():
             self.engine.eval()
             old = None if on_policy else [self._engine_logprobs(b) for b in batches]
-            ref = ([b and self._logprobs(self.reference, b) for b in batches] if self.reference is not None
-                   else None)
+            ref = [self._reference_logprobs(b) for b in batches] if self.reference is not None else None
         self.engine.train()
         losses, kls, clips = [], [], []
         for _ in range(self.config.updates_per_step):
@@ -223,6 +230,16 @@ class PolicyTrainer:
         if batch is not None:
             return self._logprobs(self.engine, batch)
         self._zero_loss()
+        return None
+
+    def _reference_logprobs(self, batch: dict[str, Any] | None) -> Any:
+        """The reference's log-probabilities of ``batch``; for no batch None, after a forward of one
+        token under ZeRO-3 (its forwards gather its shards with the other ranks')."""
+        if batch is not None:
+            return self._logprobs(self.reference, batch)
+        if self.config.zero_stage == 3:
+            token = self.torch.zeros(1, 1, dtype=self.torch.long, device=self.device)
+            self.reference(input_ids=token, attention_mask=self.torch.ones_like(token))
         return None
 
     def _zero_loss(self) -> Any:

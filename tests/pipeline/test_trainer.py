@@ -104,3 +104,24 @@ def test_two_ranks_step_together_when_one_rank_has_no_signal(cluster, tiny_model
     finally:
         for rank in ranks:
             ray.kill(rank)
+
+
+def test_under_zero3_the_kl_reference_is_sharded_and_its_forwards_keep_the_ranks_together(cluster, tiny_model_dir):
+    """With a KL term each rank holds its shard of the reference, not a whole copy; a rank with
+    fewer micro-batches still joins every reference forward (each gathers the shards)."""
+    trainer_section = TrainerSection(num_actors=2, zero_stage=3, learning_rate=1e-2, micro_batch_size=2, threads=1,
+                                     kl_coef=0.1, updates_per_step=2)
+    group = start_ranks(tiny_model_dir, trainer_section, resume_optimizer=False)
+    try:
+        ray.get([r.setup.remote(*group.address) for r in group.ranks], timeout=WAIT_S)
+        held = ray.get([r.__ray_call__.remote(lambda self: (
+            sum(p.numel() for p in self.reference.module.parameters()),
+            sum(p.ds_numel for p in self.reference.module.parameters()))) for r in group.ranks], timeout=WAIT_S)
+        assert all(whole > 0 and here < whole / 2 for here, whole in held), held
+        # rank 0: two micro-batches; rank 1: one, and one without samples
+        metrics = ray.get([group.ranks[0].train_step.remote(samples([1.0, -1.0, 0.5, -0.5])),
+                           group.ranks[1].train_step.remote(samples([0.5, -0.5]))], timeout=WAIT_S)
+        assert metrics[0]["kl"] > 0 and [m["trained_samples"] for m in metrics] == [4, 2]
+    finally:
+        for rank in group.ranks:
+            ray.kill(rank)
