@@ -38,7 +38,9 @@ def test_bench_writes_contract_json_table_and_plot(tmp_path, capsys):
         assert run["workload"] == "toy" and run["trace"] == trace and run["rollouts"] == 8
         assert run["tokens_per_forward"] == round(run["tokens"] / run["forwards"], 4)
         assert set(run) >= {"trace", "workload", "method", "k", "rollouts", "tokens", "forwards",
-                            "tokens_per_forward", "coverage", "draft_us_per_step"}
+                            "tokens_per_forward", "coverage", "draft_us_per_step", "critical_us_per_step", "regime"}
+        # all the method's CPU per step, its background too, against the part on the critical path
+        assert run["critical_us_per_step"] <= run["draft_us_per_step"]
         assert ("tree_width" in run) == (run["method"] == "ngramrl-tree")
     table = capsys.readouterr().out
     assert "ngramrl" in table and "x suffix" in table

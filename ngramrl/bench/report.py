@@ -23,7 +23,7 @@ def _by(results: list[ReplayResult], method: str, trace: str, k: int) -> ReplayR
 def format_table(results: list[ReplayResult]) -> str:
     """One row per (trace, k, method) with ratios to SuffixDecoding and to the oracle ceiling."""
     header = f"{'workload':<16} {'trace':<34} {'k':>3} {'method':<13} {'tok/fwd':>8} {'x suffix':>8} {'x pld':>7} " \
-             f"{'% oracle':>8} {'% p-orcl':>8} {'coverage':>11} {'draft us':>9}"
+             f"{'% oracle':>8} {'% p-orcl':>8} {'coverage':>11} {'cpu us':>7} {'crit us':>7}"
     lines = [header, "-" * len(header)]
     for r in results:
         suffix = _by(results, "suffix", r.trace, r.k)
@@ -37,19 +37,21 @@ def format_table(results: list[ReplayResult]) -> str:
         of_prompt_oracle = (f"{100 * r.tokens_per_forward / prompt_oracle.tokens_per_forward:.0f}%"
                             if prompt_oracle and prompt_oracle.forwards and r.method != "oracle-prompt" else "-")
         coverage = (f"{r.coverage['value']:.3f}/{r.coverage['ceiling']:.3f}" if r.coverage else "-")
-        draft_us = (f"{r.draft_us_per_step:.1f}" if r.draft_us_per_step is not None
-                    and not r.method.startswith("oracle") else "-")
+        timed = not r.method.startswith("oracle")  # an oracle reads the future: its time means nothing
+        cpu_us = f"{r.draft_us_per_step:.1f}" if timed and r.draft_us_per_step is not None else "-"
+        critical_us = f"{r.critical_us_per_step:.1f}" if timed and r.critical_us_per_step is not None else "-"
         lines.append(
             f"{r.workload:<16} {os.path.basename(r.trace)[:34]:<34} {r.k:>3} {r.method:<13} "
             f"{r.tokens_per_forward:>8.3f} {vs_suffix:>8} {vs_pld:>7} {of_oracle:>8} {of_prompt_oracle:>8} "
-            f"{coverage:>11} {draft_us:>9}"
+            f"{coverage:>11} {cpu_us:>7} {critical_us:>7}"
         )
     for r in results:
         c = r.coverage
         if c and c.get("bookkeeping_us_per_step") is not None:
             lines.append(
                 f"prefetch {os.path.basename(r.trace).split('.jsonl')[0]} k={r.k} B={c['budget']}: coverage "
-                f"{c['value']:.3f} of ceiling {c['ceiling']:.3f} ({100 * c['value'] / max(c['ceiling'], 1e-9):.0f}%); "
+                f"{c['value']:.3f} of ceiling {c['ceiling']:.3f}"
+                + (f" ({100 * c['value'] / c['ceiling']:.0f}%); " if c["ceiling"] else "; ") +
                 f"outcome model {c['model_us_per_step']:.1f} us/step, allocation + cache "
                 f"{c['bookkeeping_us_per_step']:.1f} us/step, ordinary lookup {c['lookup_us']:.1f} us, "
                 f"prefetch lookups {c['prefetch_us_per_step']:.1f} us/step")
