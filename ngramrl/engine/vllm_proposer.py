@@ -566,9 +566,10 @@ class NgramRLProposer:
         # The core's handles are the ranks (one array, passed to every step as it is).
         states = arrival if self.core is not None else [self.requests[req_id] for req_id in batch]
         if self._ends:  # else none ends before max_model_len: committed_rows takes no array as that
-            ends = np.empty(len(batch), dtype=np.int64)
+            # the last step's ends where it had them (none: no request then ended before max_model_len)
+            ends = np.full(len(batch), self.max_model_len, dtype=np.int64)
             kept = min(len(batch), len(last_ends))
-            ends[:kept] = last_ends[:kept] if len(last_ends) else self.max_model_len
+            ends[:kept] = last_ends[:kept]
             # a row not entered holds the request it held (batch_ranks)
             ends[entered] = [self._ends.get(batch[row], self.max_model_len) for row in entered]
         else:

@@ -22,11 +22,12 @@ from ngramrl.engine.vllm_proposer import (
 
 
 def make_proposer(monkeypatch, cost, k=4, prefetch="off", prefetch_config=None, clock=time.perf_counter_ns,
-                  drafter=None, device_type="cpu", **engine):
+                  drafter=None, device_type="cpu", max_model_len=4096, **engine):
     monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch=prefetch, **engine),
                                                                prefetch=prefetch_config or PrefetchConfig(),
                                                                drafter=drafter or DrafterConfig())))
-    proposer = NgramRLProposer(standin_vllm_config(k, eos_token_ids=(2,), max_model_len=4096, device_type=device_type),
+    proposer = NgramRLProposer(standin_vllm_config(k, eos_token_ids=(2,), max_model_len=max_model_len,
+                                                   device_type=device_type),
                                clock=clock)
     proposer.cost = cost
     runner = StandInRunner()
@@ -399,6 +400,24 @@ def test_no_draft_runs_past_its_requests_max_tokens(monkeypatch):
     runner.add("joins", "p", [1, 2, 3], epoch=1).sampling_params.max_tokens = 4  # a new row; the others keep theirs
     assert proposer.propose([[101, 102]] * 3 + [[100]], [6, 6, 6, 4], None) == \
         [[], [103, 104, 105, 106], [103, 104, 105, 106], [101, 102]]
+
+
+def test_rows_without_an_end_of_their_own_draft_on_when_a_request_with_one_joins(monkeypatch):
+    """Only a request whose max_tokens ends before max_model_len has an end of its own. When the
+    first such request joins rows that had none, those rows' room is still max_model_len's (they
+    stopped drafting for good when their ends were read from an uninitialised array)."""
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), adaptive_length=False,
+                                        drafter=DrafterConfig(use_global=False), max_model_len=64)
+    long_prompt, short_prompt = list(range(10, 40)), [1, 2, 3, 4, 5]
+    proposer.core.add_rollout("long", long_prompt, list(range(100, 130)), epoch=0)
+    proposer.core.add_rollout("short", short_prompt, list(range(200, 230)), epoch=0)
+    for req_id in ("a", "b"):  # 30 + 40 tokens pass max_model_len: no end of their own
+        runner.add(req_id, "long", long_prompt, epoch=1).sampling_params.max_tokens = 40
+    assert proposer.propose([[100], [100]], [31, 31], None) == [[101, 102, 103, 104]] * 2
+    runner.add("c", "short", short_prompt, epoch=1).sampling_params.max_tokens = 40
+    for step in range(3):
+        assert proposer.propose([[101 + step]] * 2 + [[200 + step]], [32 + step] * 2 + [6 + step], None) == \
+            [[102 + step, 103 + step, 104 + step, 105 + step]] * 2 + [[201 + step, 202 + step, 203 + step, 204 + step]]
 
 
 def test_a_request_out_of_the_batch_but_in_the_runner_is_not_finished(monkeypatch):
