@@ -91,10 +91,14 @@ class StandInRunner:
 
 
 def standin_vllm_config(num_speculative_tokens: int, eos_token_ids: tuple[int, ...] = (),
-                        max_model_len: int = 1 << 20, device_type: str = "cpu") -> SimpleNamespace:
-    """The fields of vLLM's config that the proposers read."""
+                        max_model_len: int = 1 << 20, device_type: str = "cpu",
+                        generation_eos_token_ids: tuple[int, ...] = ()) -> SimpleNamespace:
+    """The fields of vLLM's config that the proposers read (``generation_eos_token_ids``: those
+    of the model's generation config)."""
     eos: Any = list(eos_token_ids) if eos_token_ids else None
+    generation = {"eos_token_id": list(generation_eos_token_ids)} if generation_eos_token_ids else {}
     return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=num_speculative_tokens),
                            model_config=SimpleNamespace(max_model_len=max_model_len,
-                                                        hf_config=SimpleNamespace(eos_token_id=eos)),
+                                                        hf_config=SimpleNamespace(eos_token_id=eos),
+                                                        try_get_generation_config=lambda: dict(generation)),
                            device_config=SimpleNamespace(device_type=device_type))

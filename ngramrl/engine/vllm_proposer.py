@@ -250,10 +250,25 @@ NO_VOCAB_BOUND = 1 << 62  # the bound on token ids where the vocabulary's size i
 
 
 def _eos_ids(vllm_config: Any) -> tuple[int, ...]:
-    eos = getattr(vllm_config.model_config.hf_config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    """The tokens that end every request of this model: the config's end of sequence and the
+    generation config's (vLLM stops at both; a chat model's end of turn, Llama 3's <|eot_id|>, is
+    often only in the latter). A draft stops at them: a token past one is verified for nothing,
+    and would enter the stored rollout beyond what vLLM returned."""
+    model_config = vllm_config.model_config
+    found: set[int] = set()
+    sources = [getattr(model_config.hf_config, "eos_token_id", None)]
+    generation_config = getattr(model_config, "try_get_generation_config", None)
+    if callable(generation_config):
+        try:
+            sources.append((generation_config() or {}).get("eos_token_id"))
+        except Exception:  # noqa: BLE001 - no generation config to read: the model config's alone
+            pass
+    for eos in sources:
+        if isinstance(eos, int):
+            found.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            found.update(int(token) for token in eos)
+    return tuple(sorted(found))
 
 
 def drafts_read_here() -> bool:

@@ -420,6 +420,20 @@ def test_rows_without_an_end_of_their_own_draft_on_when_a_request_with_one_joins
             [[102 + step, 103 + step, 104 + step, 105 + step]] * 2 + [[201 + step, 202 + step, 203 + step, 204 + step]]
 
 
+def test_drafts_stop_at_the_generation_configs_end_of_turn_too(monkeypatch):
+    """vLLM stops a request at the generation config's end-of-sequence ids as well as the model
+    config's (a chat model's end of turn); a draft ends at the first of either."""
+    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch="off",
+                                                                                   adaptive_length=False),
+                                                                drafter=DrafterConfig(use_global=False))))
+    proposer = NgramRLProposer(standin_vllm_config(6, eos_token_ids=(2,), generation_eos_token_ids=(2, 9)))
+    runner = StandInRunner()
+    proposer.bind_runner(runner)
+    proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 9, 300, 301, 302, 303], epoch=0)
+    runner.add("a", "p", [1, 2, 3], epoch=1)
+    assert proposer.propose([[100]], [4], None) == [[101, 9]]
+
+
 def test_a_request_out_of_the_batch_but_in_the_runner_is_not_finished(monkeypatch):
     """vLLM keeps a request it did not schedule this step (preempted, waiting) in its runner's
     requests and out of the batch: it is no rollout yet. Back in the batch it drafts on from its
