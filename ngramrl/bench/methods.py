@@ -148,6 +148,8 @@ class NgramRLMethod:
         self.request: RequestState | None = None
         self.last_draft: Draft | None = None
         self.tally = CoverageTally(sorted(set(budgets or [])), known_j_budget=known_j_budget)
+        # time the replay spends measuring designs ngramrl does not run (not the method's work)
+        self.measuring_ns = 0
         self._known_j: list[set[int]] = []
         self._sweep_allocation = PrefetchConfig(budget=max(self.tally.budgets or [0]), levels=self.prefetch.levels)
         self._ceiling = _BigramHistory()
@@ -208,7 +210,9 @@ class NgramRLMethod:
         if not self.tally.budgets:
             return
         if remaining > 0 and self._states is not None and self._states[1] and self.request is not None:
+            begin = time.perf_counter_ns()
             self._time_designs(tokens)
+            self.measuring_ns += time.perf_counter_ns() - begin
         self._states = None
         if remaining > 0:  # the rollout goes on, so a next draft is needed
             self.tally.steps += 1
@@ -240,9 +244,11 @@ class NgramRLMethod:
         spent = time.perf_counter_ns() - begin
         self.tally.prefetch_ns.append(spent)
         self.tally.spent_ns += spent
+        begin = time.perf_counter_ns()
         self._prefetch_states(sources, draft, {j for j, _ in keys})
         if self.tally.known_j_budget:
             self._known_j = self._likeliest_b(sources, draft, self.tally.known_j_budget)
+        self.measuring_ns += time.perf_counter_ns() - begin
 
     def _likeliest_b(self, sources: list, draft: Draft, budget: int) -> list[set[int]]:
         """For every j, the ``budget`` tokens the outcome model rates likeliest as b after
