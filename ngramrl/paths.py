@@ -11,6 +11,34 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterable
+from typing import BinaryIO
+
+TAIL_CHUNK = 1 << 16  # bytes read at a time looking back for the last complete line
+
+
+def cut_torn_tail(handle: BinaryIO) -> int:
+    """A line-per-record file whose writer died in a write ends in a line without its newline; a
+    record appended after would join it in one line that is no record. Cut the fragment off, back
+    to the last complete line (``handle``: open for reading and writing, binary); returns the bytes
+    cut, and leaves the handle at the end."""
+    end = handle.seek(0, os.SEEK_END)
+    if end == 0:
+        return 0
+    handle.seek(end - 1)
+    if handle.read(1) == b"\n":
+        return 0
+    keep, position = 0, end
+    while position > 0:
+        start = max(0, position - TAIL_CHUNK)
+        handle.seek(start)
+        newline = handle.read(position - start).rfind(b"\n")
+        if newline >= 0:
+            keep = start + newline + 1
+            break
+        position = start
+    handle.truncate(keep)
+    handle.seek(0, os.SEEK_END)
+    return end - keep
 
 
 class OutputPathError(ValueError):

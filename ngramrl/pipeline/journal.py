@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import BinaryIO
+
+from ngramrl.paths import cut_torn_tail
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,6 @@ Record = tuple[str, list[int], list[int], int]  # (prompt id, prompt, output, ep
 # line it cannot occur, since a record's other fields are flat lists of ints and a quote inside a
 # string is escaped.
 BATCH_START = '[["'
-TAIL_CHUNK = 1 << 16  # bytes read at a time looking back for the last complete line
 
 
 class RolloutJournal:
@@ -38,33 +38,13 @@ class RolloutJournal:
         line = json.dumps([[prompt_id, list(prompt), list(output), int(epoch)]
                            for prompt_id, prompt, output, epoch in records], separators=(",", ":"))
         with open(self.path, "ab+") as handle:
-            self._cut_torn_tail(handle)
+            # a write cut short (the shard died in it) would join the batch written after it
+            cut = cut_torn_tail(handle)
+            if cut:
+                logger.warning("%s: the last line is torn (the shard died writing it); its %d bytes are cut off",
+                               self.path, cut)
             handle.write(line.encode("utf-8") + b"\n")
             handle.flush()
-
-    def _cut_torn_tail(self, handle: BinaryIO) -> None:
-        """A write cut short (the shard died in it) leaves a last line without its newline; a batch
-        written after it would join it in one line that is no journal entry, failing every later
-        ``read``. The fragment is never a whole batch: cut it off, back to the last complete line."""
-        end = handle.seek(0, os.SEEK_END)
-        if end == 0:
-            return
-        handle.seek(end - 1)
-        if handle.read(1) == b"\n":
-            return
-        keep, position = 0, end
-        while position > 0:
-            start = max(0, position - TAIL_CHUNK)
-            handle.seek(start)
-            newline = handle.read(position - start).rfind(b"\n")
-            if newline >= 0:
-                keep = start + newline + 1
-                break
-            position = start
-        logger.warning("%s: the last line is torn (the shard died writing it); its %d bytes are cut off",
-                       self.path, end - keep)
-        handle.truncate(keep)
-        handle.seek(0, os.SEEK_END)
 
     def read(self) -> list[Record]:
         """Every rollout written since the last reset, in order."""

@@ -195,6 +195,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         started_ray = True
     tracker = Tracker(config.tracking, config.to_dict(), output_dir, append=plan.mode == "resume")
     pool = None
+    pool_restored = False  # a pool that failed to restore holds less than its snapshots: never saved over them
     trace: TraceWriter | None = None
     records: list[StepRecord] = []
     step = earlier.next_step
@@ -214,6 +215,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             if restore_from:
                 restored = pool.restore(restore_from)
                 logger.info("drafter pool restored from %s: %d prompts", restore_from, restored)
+            pool_restored = True
         worker_class = ray.remote(num_cpus=rollout.num_cpus_per_engine, num_gpus=rollout.num_gpus_per_engine,
                                   runtime_env=_threads_env(rollout.threads))(RolloutWorker)
         workers = [worker_class.remote(i, start_dir, rollout, config.ngramrl, pool.settings() if pool else None,
@@ -314,6 +316,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             record.weight_sync_error, record.policy_checksum = sync_error, checksum
             tracker.log(step, {**asdict(record), **{f"engine/{k}": v for k, v in metrics.items()},
                                "pool/restarts_this_step": (pool.restarts if pool else 0) - restarts_before})
+            _write_summary(output_dir, earlier.records, records)
             progress.write(record.line())
             progress.update(1)
         progress.close()
@@ -332,8 +335,8 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         save_policy = None
         if trained_steps != saved_steps:
             save_policy = functools.partial(_save_policy, ray, trainers, tokenizer, output_dir, trained_steps, limit)
-        _save_interrupted(output_dir, step, earlier.records, records, trace, pool, save_policy,
-                          failure=None if isinstance(stopped, KeyboardInterrupt) else stopped)
+        _save_interrupted(output_dir, step, earlier.records, records, trace, pool if pool_restored else None,
+                          save_policy, failure=None if isinstance(stopped, KeyboardInterrupt) else stopped)
         raise
     finally:
         tracker.finish()
@@ -349,8 +352,12 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
 
 
 def _write_summary(output_dir: str, before: list[dict[str, Any]], records: list[StepRecord]) -> None:
-    with open(os.path.join(output_dir, SUMMARY_FILE), "w") as handle:
+    """After every step (a run killed outright keeps its steps), whole or not at all (a kill in the
+    write would leave a file that refuses --resume)."""
+    path = os.path.join(output_dir, SUMMARY_FILE)
+    with open(path + ".tmp", "w") as handle:
         json.dump(before + [asdict(r) for r in records], handle, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def _starting_policy(earlier: EarlierRun, model_dir: str) -> str:

@@ -117,6 +117,8 @@ def read_earlier_run(path: str) -> EarlierRun:
                 try:
                     step = json.loads(line)["step"]
                 except (ValueError, KeyError, TypeError):
+                    if not line.endswith("\n"):  # the last line, torn by a run stopped writing it: cut at resume
+                        continue
                     raise ConfigError(f"{metrics_path}:{line_no}: not a metrics record (JSON with a step)") from None
                 earlier.next_step = max(earlier.next_step, int(step) + 1)
     if glob.glob(os.path.join(path, POOL_DIR, "shard-*.json.gz")):
@@ -157,6 +159,13 @@ def plan_run_dir(config: TrainConfig) -> RunDirPlan:
                 f"--resume (run.if_exists=resume), replace it with --overwrite (run.if_exists=overwrite), or "
                 f"choose another run.output_dir")
         mode = run.if_exists
+    if mode == "overwrite":  # the model must not be among what --overwrite deletes (an earlier run's policy/)
+        model = os.path.expanduser(config.model.path)
+        doomed = next((name for name in found if inside(model, os.path.join(path, name))), None)
+        if doomed is not None:
+            raise ConfigError(f"model.path {config.model.path!r} lies in {doomed} of run.output_dir "
+                              f"{run.output_dir!r}, whose earlier run --overwrite deletes; copy the model "
+                              f"elsewhere first, or --resume that run")
     restore = config.pool.restore_from
     if restore and mode == "overwrite" and inside(os.path.expanduser(restore), path):
         raise ConfigError(f"pool.restore_from {restore!r} lies in run.output_dir {run.output_dir!r}, whose "

@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Any
 
+from ngramrl.paths import cut_torn_tail
 from ngramrl.pipeline.config import TrackingSection
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,12 @@ class Tracker:
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.directory: str | None = None
         self.run: Any = None
-        open(self.path, "a" if append else "w").close()
+        with open(self.path, "ab+" if append else "wb") as handle:
+            # a run killed while writing a record left a torn last line: the next record would join it
+            cut = cut_torn_tail(handle) if append else 0
+        if cut:
+            logger.warning("%s: the last line was torn (the run was stopped writing it); its %d bytes are cut off",
+                           self.path, cut)
         if config.wandb == "disabled":
             return
         try:

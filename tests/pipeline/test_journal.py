@@ -2,7 +2,7 @@ import shutil
 
 import pytest
 
-import ngramrl.pipeline.journal as journal_module
+import ngramrl.paths as paths_module
 from ngramrl.config import NgramRLConfig
 from ngramrl.pipeline.journal import RolloutJournal
 from ngramrl.pipeline.pool import DrafterShard, journal_path, snapshot_path
@@ -28,7 +28,7 @@ def test_batches_appended_after_a_torn_last_line_are_kept_and_the_fragment_is_cu
     """A shard that died writing a batch leaves a torn last line; the rebuilt shard appends to the
     same journal. Its batches stay lines of their own: every later read (a rebuild, a resume) gets
     every complete batch."""
-    monkeypatch.setattr(journal_module, "TAIL_CHUNK", 4)  # the look back for the last newline spans chunks
+    monkeypatch.setattr(paths_module, "TAIL_CHUNK", 4)  # the look back for the last newline spans chunks
     journal = RolloutJournal(str(tmp_path / "j.jsonl"))
     journal.append([("p", [1, 2], [3, 4], 0)])
     journal.append([("q", [5], [6], 1)])

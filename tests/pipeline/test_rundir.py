@@ -52,6 +52,19 @@ def test_overwrite_deletes_the_earlier_runs_files_only(tmp_path):
     assert earlier.next_step == 0 and earlier.next_epoch == {} and earlier.rollouts == []
 
 
+def test_overwrite_refuses_a_model_among_what_it_would_delete(tmp_path):
+    """model.path at an earlier run's saved policy: --overwrite would delete the model the run is
+    about to load (and the earlier run's training with it)."""
+    out = earlier_run(tmp_path / "run")
+    (out / "policy" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="model.path .* lies in policy of run.output_dir .* --overwrite deletes"):
+        plan(out, "run.if_exists=overwrite", f"model.path={out / 'policy'}")
+    assert (out / "policy" / "config.json").exists()
+    (out / "models" / "base").mkdir(parents=True)  # a model kept in the directory, not a run's file
+    (out / "models" / "base" / "config.json").write_text("{}")
+    assert plan(out, "run.if_exists=overwrite", f"model.path={out / 'models' / 'base'}").mode == "overwrite"
+
+
 def test_resume_continues_steps_and_each_prompts_epochs(tmp_path):
     out = earlier_run(tmp_path / "run")
     resumed = plan(out, "run.if_exists=resume")
@@ -67,6 +80,26 @@ def test_resume_continues_steps_and_each_prompts_epochs(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["rollouts.jsonl.gz", "metrics.jsonl", "summary.json", "config.json", "config-resume-1.json", "pool",
          "policy", "notes.txt"])  # nothing deleted
+
+
+def test_a_metrics_line_torn_by_a_stopped_run_is_cut_at_resume(tmp_path):
+    """A run stopped while appending to metrics.jsonl leaves a last line without its newline: the
+    resume reads the complete lines, and the resumed run's tracker cuts the fragment before its
+    first record (which would join it)."""
+    from ngramrl.pipeline.config import TrackingSection
+    from ngramrl.pipeline.tracking import Tracker
+
+    out = earlier_run(tmp_path / "run")
+    with open(out / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 3, "rew')
+    assert plan(out, "run.if_exists=resume").prepare().next_step == 3
+    tracker = Tracker(TrackingSection(wandb="disabled"), {}, str(out), append=True)
+    tracker.log(3, {"reward": 0.7})
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3]
+    (out / "metrics.jsonl").write_text((out / "metrics.jsonl").read_text() + "not json\n")
+    with pytest.raises(ConfigError, match="metrics.jsonl:5: not a metrics record"):
+        plan(out, "run.if_exists=resume")  # a complete line that is no record is damage, not a torn write
 
 
 def test_resume_into_an_empty_directory_is_a_new_run(tmp_path):
