@@ -8,7 +8,7 @@
   Each gold query runs once (with a longer limit); one that does not run scores its prompt's
   samples 0, with a warning, and the run goes on.
 - reasoning_gym: the task's own checker (``score_answer``) on the final answer: what follows the
-  last 'Answer:', or without one the last number (numeric answers) or the last line.
+  last 'Answer:', or without one the number the text ends with (numeric answers) or the last line.
 
 Malformed outputs score 0 and never raise.
 """
@@ -36,9 +36,15 @@ def _to_number(text: str) -> float | None:
         return None
 
 
+# 'Answer: 42', '**Answer:** 42', 'answer = $42'. One character class per run of filler, so that
+# text with no number after 'answer' is given up in linear time (nested optional spaces made a
+# long run of spaces take minutes).
+_ANSWER = re.compile(r"answer[\s*]*(?:[:=][\s*]*)?(?:\$\s*)?(" + _NUMBER + ")", re.I)
+
+
 def gsm_reward(text: str, reference: dict[str, Any]) -> float:
     gold = _to_number(str(reference["answer"]))
-    answers = re.findall(r"[Aa]nswer\s*[:=]?\s*\$?\s*(" + _NUMBER + ")", text)
+    answers = _ANSWER.findall(text)
     candidates = answers or re.findall(_NUMBER, text)
     if gold is None or not candidates:
         return 0.0
@@ -47,7 +53,9 @@ def gsm_reward(text: str, reference: dict[str, Any]) -> float:
 
 
 def _strip_fences(text: str) -> str:
-    fenced = re.search(r"```(?:[a-zA-Z]+)?\s*(.*?)```", text, re.S)
+    """The first fenced block's body (a language tag only where a line break follows it: in
+    ```SELECT a FROM t``` the SELECT is the query's)."""
+    fenced = re.search(r"```(?:[a-zA-Z]+\n)?(.*?)```", text, re.S)
     return (fenced.group(1) if fenced else text).strip()
 
 
@@ -58,7 +66,7 @@ def _parse_call(text: str) -> dict[str, Any] | None:
         return None
     try:
         value, _ = json.JSONDecoder().raw_decode(body[start:])
-    except ValueError:
+    except (ValueError, RecursionError):  # a degenerate output nests a thousand brackets deep
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -76,7 +84,17 @@ def _same_value(given: Any, allowed: Any) -> bool:
     if isinstance(allowed, list) and isinstance(given, list):
         return len(given) == len(allowed) and all(map(_same_value, given, allowed))
     if isinstance(allowed, dict) and isinstance(given, dict):
-        return given.keys() == allowed.keys() and all(_same_value(given[k], allowed[k]) for k in allowed)
+        # the benchmark's nested dict: each key's allowed values, "" where the key may be left out
+        if set(given) - set(allowed):
+            return False
+        for key, options in allowed.items():
+            options = options if isinstance(options, list) else [options]
+            if key not in given:
+                if "" not in options:
+                    return False
+            elif not any(_same_value(given[key], option) for option in options if option != ""):
+                return False
+        return True
     return given == allowed
 
 
@@ -107,10 +125,15 @@ def bfcl_reward(text: str, reference: dict[str, Any]) -> float:
 
 
 def extract_sql(text: str) -> str:
+    """The query in a reply: from its first SELECT or WITH to the end of that statement; empty
+    where there is none (a reply that is no query scores 0, whatever the gold rows)."""
     body = _strip_fences(text)
     match = re.search(r"\b(SELECT|WITH)\b", body, re.I)
-    if match:
-        body = body[match.start():]
+    if not match:
+        return ""
+    body = body[match.start():]
+    if "\x00" in body:  # SQLite takes no NUL in a statement (and raises on one)
+        return ""
     # The first statement: up to the first ';' at which SQLite sees one end (not one in a string).
     for end in (m.end() for m in re.finditer(";", body)):
         if sqlite3.complete_statement(body[:end]):
@@ -118,12 +141,29 @@ def extract_sql(text: str) -> str:
     return body.strip()
 
 
-def _run_query(db_path: str, sql: str, max_seconds: float) -> list[tuple] | None:
+# What a scored query may do: read. VACUUM INTO and ATTACH write files even on a read-only connection.
+_READING = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+MAX_VALUE_BYTES = 1 << 20  # a string or blob a query makes (randomblob(2e8) took 6.5 GB)
+
+
+def _only_reading(action: int, *_: Any) -> int:
+    return sqlite3.SQLITE_OK if action in _READING else sqlite3.SQLITE_DENY
+
+
+def _run_query(db_path: str, sql: str, max_seconds: float, max_rows: int | None = None) -> list[tuple] | None:
+    """The query's rows; None where it fails, runs past ``max_seconds``, or returns more than
+    ``max_rows`` (a scored query's rows beyond the gold's cannot match: they are not all read)."""
     connection = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
     deadline = time.monotonic() + max_seconds
     connection.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+    connection.set_authorizer(_only_reading)
+    connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
     try:
-        return connection.execute(sql).fetchall()
+        cursor = connection.execute(sql)
+        if max_rows is None:
+            return cursor.fetchall()
+        rows = cursor.fetchmany(max_rows + 1)
+        return rows if len(rows) <= max_rows else None
     except (sqlite3.Error, sqlite3.Warning, ValueError):
         return None
     finally:
@@ -143,11 +183,11 @@ def spider_reward(text: str, reference: dict[str, Any], max_seconds: float = 5.0
     sql = extract_sql(text)
     if not sql:
         return 0.0
-    predicted = _run_query(reference["db_path"], sql, max_seconds)
-    if predicted is None:
-        return 0.0
     gold = _gold_rows(reference["db_path"], reference["gold_sql"])
     if gold is None:
+        return 0.0
+    predicted = _run_query(reference["db_path"], sql, max_seconds, max_rows=len(gold))
+    if predicted is None:
         return 0.0
     if re.search(r"\border\s+by\b", reference["gold_sql"], re.I):
         return float(predicted == gold)
@@ -155,14 +195,17 @@ def spider_reward(text: str, reference: dict[str, Any], max_seconds: float = 5.0
 
 
 def final_answer(text: str, numeric: bool = False) -> str:
-    """What follows the last 'Answer:' (to the end of its line); without one, the last number
-    when the answer is a number, else the last non-empty line."""
-    found = re.findall(r"[Aa]nswer\s*[:=]\s*(.*)", text)
+    """What follows the last 'Answer:' (to the end of its line); without one, the number the text
+    ends with when the answer is a number ('6 * 9 = 54', not the question restated, '1 * 5 ='),
+    else the last non-empty line."""
+    found = re.findall(r"[Aa]nswer[\s*]*[:=](.*)", text)
     if found:
         return found[-1].strip().strip("*$ ").rstrip(".")
     if numeric:
-        numbers = re.findall(_NUMBER, text)
-        return numbers[-1].replace(",", "").rstrip(".") if numbers else ""
+        stripped = text.rstrip(" \t\r\n.*$")
+        numbers = list(re.finditer(_NUMBER, stripped))  # one pass (a search for a number at the end is quadratic)
+        ends = numbers and numbers[-1].end() == len(stripped)
+        return numbers[-1].group(0).replace(",", "").rstrip(".") if ends else ""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
 

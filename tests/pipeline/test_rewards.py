@@ -99,3 +99,70 @@ def test_reasoning_gym_reward_uses_the_tasks_own_checker():
     assert reasoning_gym_reward("", task.reference) == 0.0
     assert final_answer("Answer: 12\nAnswer: 13.") == "13"
     assert final_answer("a line\nthe last line") == "the last line"
+
+
+@pytest.mark.parametrize("text", ["Answer" + " " * 3000, "So the answer" + " " * 3000 + "is", "```" + " " * 16000,
+                                  '{"name": "f", "arguments": {"a": ' + "[" * 3000, "SELECT 1\x00;",
+                                  "1" * 6000 + " x"])
+def test_degenerate_outputs_score_at_once_and_never_raise(text, tmp_path):
+    """Outputs RL produces when it degenerates (runs of spaces, brackets thousands deep, a NUL
+    token): each reward scores them in milliseconds (a run of spaces after 'answer' took minutes)
+    and none raises (one exception stops the run)."""
+    import sqlite3
+    import time
+
+    from ngramrl.pipeline.rewards import final_answer
+
+    db = str(tmp_path / "one.sqlite")
+    with sqlite3.connect(db) as connection:
+        connection.execute("CREATE TABLE t (a INTEGER)")
+    begin = time.perf_counter()
+    assert gsm_reward(text, {"answer": "5"}) == 0.0
+    assert bfcl_reward(text, {"ground_truth": [{"f": {"a": [1]}}]}) in (0.0, 0.1, 0.4)
+    assert spider_reward(text, {"db_path": db, "gold_sql": "SELECT a FROM t"}) in (0.0, 1.0)
+    final_answer(text, numeric=True)
+    assert time.perf_counter() - begin < 0.5
+
+
+def test_answers_are_read_in_the_forms_models_write_them_and_not_from_a_restated_question():
+    from ngramrl.pipeline.rewards import final_answer
+
+    assert gsm_reward("**Answer:** 42\nThat is 6 boxes of 7 each.", {"answer": "42"}) == 1.0
+    assert gsm_reward("ANSWER: 42\n(6 boxes)", {"answer": "42"}) == 1.0
+    assert final_answer("1 * 5 =", numeric=True) == ""   # the question restated: no answer
+    assert final_answer("6 * 9 = 54.", numeric=True) == "54"
+    assert final_answer("**Answer:** 7\nok", numeric=True) == "7"
+
+
+def test_bfcl_nested_arguments_are_checked_key_by_key_as_the_benchmark_allows():
+    """The benchmark lists each key of a nested dict with its allowed values ("" where optional)."""
+    reference = {"ground_truth": [{"area_of": {"shape": [{"width": [20], "height": [12, 12.0], "unit": ["", "m"]}],
+                                               "round": ["", True]}}]}
+    call = lambda arguments: json.dumps({"name": "area_of", "arguments": arguments})  # noqa: E731
+    assert bfcl_reward(call({"shape": {"width": 20, "height": 12}}), reference) == 1.0
+    assert bfcl_reward(call({"shape": {"width": 20, "height": 12, "unit": "m"}}), reference) == 1.0
+    assert bfcl_reward(call({"shape": {"width": [20], "height": [12]}}), reference) == 0.4
+    assert bfcl_reward(call({"shape": {"width": 20}}), reference) == 0.4            # height is required
+    assert bfcl_reward(call({"shape": {"width": 20, "height": 12, "depth": 1}}), reference) == 0.4
+
+
+def test_spider_scores_only_reading_queries_with_bounded_rows_and_values(tmp_path):
+    """A scored query may only read: VACUUM INTO and ATTACH write files even on a read-only
+    connection; a query's rows past the gold's are not read; a value past 1 MB is refused; a reply
+    with no query (a comment) is no answer, even where the gold rows are empty."""
+    import sqlite3
+
+    db = str(tmp_path / "shop.sqlite")
+    with sqlite3.connect(db) as connection:
+        connection.execute("CREATE TABLE item (name TEXT)")
+        connection.executemany("INSERT INTO item VALUES (?)", [("a",), ("b",)])
+    gold = {"db_path": db, "gold_sql": "SELECT name FROM item"}
+    assert spider_reward(f"VACUUM INTO '{tmp_path / 'copy.sqlite'}'", gold) == 0.0
+    assert spider_reward(f"ATTACH 'file:{tmp_path / 'new.sqlite'}?mode=rwc' AS e; SELECT name FROM item", gold) in \
+        (0.0, 1.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shop.sqlite"]
+    assert spider_reward("SELECT name FROM item, item AS again", gold) == 0.0  # 4 rows against 2
+    assert spider_reward("SELECT randomblob(200000000) FROM item", gold) == 0.0
+    assert spider_reward("SELECT name FROM item", gold) == 1.0
+    empty = {"db_path": db, "gold_sql": "SELECT name FROM item WHERE 0"}
+    assert spider_reward("-----", empty) == 0.0 and spider_reward("SELECT name FROM item WHERE 0", empty) == 1.0
