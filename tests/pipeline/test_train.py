@@ -171,6 +171,40 @@ def test_a_reward_that_is_not_a_number_stops_the_run_keeping_the_steps_before(mo
     assert json.loads((out / "policy" / "ngramrl_policy.json").read_text()) == {"steps": 1}
 
 
+def test_a_pool_snapshot_that_fails_to_restore_is_left_as_it_was(model_2k, tmp_path):
+    """A snapshot damaged past the bytes --check reads fails when the pool restores it: the run
+    stops, and the snapshot and the journal that could rebuild the shard are kept (the stopped
+    run's save wrote an empty pool over them)."""
+    import gzip
+    import json as jsonlib
+
+    from ngramrl.config import NgramRLConfig
+    from ngramrl.core.trace import Rollout, TraceHeader, write_trace
+    from ngramrl.pipeline.pool import DrafterShard, SnapshotError
+    from ngramrl.pipeline.run import train
+
+    out = tmp_path / "run"
+    out.mkdir()
+    rollouts = [Rollout("p", 0, s, [1, 3], [5, 6, 2], policy_version=0) for s in range(2)]
+    write_trace(str(out / "rollouts.jsonl.gz"), TraceHeader(vocab_size=2048, eos_token_ids=[2]), rollouts)
+    (out / "metrics.jsonl").write_text(jsonlib.dumps({"step": 0}) + "\n")
+    (out / "summary.json").write_text("[]")
+    (out / "config.json").write_text("{}")
+    for index in range(2):
+        shard = DrafterShard(index, NgramRLConfig(), shards=2)
+        shard.add_rollouts([("p", [1, 3], [5, 6, 2] * 20, 0)])
+        shard.save(str(out / "pool" / f"shard-{index}.json.gz"))
+    damaged = out / "pool" / "shard-0.json.gz"
+    text = gzip.open(damaged, "rt").read()
+    with gzip.open(damaged, "wt") as handle:
+        handle.write(text[:200] + "}}" + text[200:])  # its first bytes are still a snapshot's
+    (out / "pool" / "shard-0.journal.jsonl").write_text(jsonlib.dumps([["p", [1, 3], [5, 6, 2], 1]]) + "\n")
+    kept = {path.name: path.read_bytes() for path in (out / "pool").iterdir()}
+    with pytest.raises(SnapshotError):
+        train(run_config(model_2k, out, "run.if_exists=resume", "run.steps=1"))
+    assert {path.name: path.read_bytes() for path in (out / "pool").iterdir()} == kept
+
+
 def test_sigint_saves_the_run_and_resume_continues_it(model_2k, tmp_path):
     """Ctrl-C in the middle of a run keeps what it did (metrics, trace, pool) and exits 130; a
     second run into the directory is refused; --resume goes on: its steps and each prompt's epochs
