@@ -53,7 +53,7 @@ EXTRAS = {
     "vllm-gpu": ["vllm"],
     "ray": ["ray[default]>=2.40", "pyyaml>=6"],
     "deepspeed": ["deepspeed>=0.16"],
-    "wandb": ["wandb>=0.18"],
+    "wandb": ["wandb>=0.19.10"],  # reinit="finish_previous" (ngramrl.pipeline.tracking)
     "openrlhf": ["openrlhf==0.11.2"],
     "test": ["pytest>=8", "scipy>=1.11", "ruff>=0.6"],
 }

@@ -204,6 +204,17 @@ def _parse_rollout(path: str, line: int, raw: str, vocab_size: int) -> Rollout:
     return Rollout(obj["prompt_id"], obj["epoch"], obj["sample"], prompt, output, finish, reward, version)
 
 
+_GZIP_HINT = " (the file is gzip-compressed: name it .jsonl.gz)"
+
+
+def _is_gzip(path: str) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(2) == b"\x1f\x8b"
+    except OSError:
+        return False
+
+
 def iter_trace(path: str) -> Iterator[TraceHeader | Rollout]:
     """Yield the header, then each rollout, validating as it goes."""
     prompts: dict[str, list[int]] = {}
@@ -237,7 +248,9 @@ def iter_trace(path: str) -> Iterator[TraceHeader | Rollout]:
                         path, line_no, f"prompt_id {rollout.prompt_id!r} has different prompt tokens than before"
                     )
                 yield rollout
-    except (OSError, EOFError, UnicodeDecodeError) as err:
+    except UnicodeDecodeError as err:
+        raise TraceError(path, None, f"cannot read file: {err}" + _GZIP_HINT * _is_gzip(path)) from None
+    except (OSError, EOFError) as err:
         raise TraceError(path, None, f"cannot read file: {err}") from None
     except zlib.error as err:  # a gzip stream damaged past its header
         raise TraceError(path, None, f"cannot read file: corrupt gzip data ({err})") from None

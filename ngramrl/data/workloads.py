@@ -127,6 +127,7 @@ def spider_schema(db_path: str) -> str:
 
 
 def spider_tasks(spider_dir: str, count: int, seed: int = 0, max_schema_chars: int = 2500) -> list[Task]:
+    spider_dir = os.path.expanduser(spider_dir)  # as the config's check reads it
     questions_path = os.path.join(spider_dir, "train_spider.json")
     if not os.path.exists(questions_path):
         raise FileNotFoundError(

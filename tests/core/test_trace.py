@@ -81,6 +81,13 @@ def test_bad_input_names_file_line_and_problem(tmp_path, lines, line_no, needle)
     assert str(info.value).startswith(f"{path}:{line_no}:")
 
 
+def test_a_gzip_file_named_as_plain_text_says_so(tmp_path):
+    path = tmp_path / "rollouts.jsonl"
+    path.write_bytes(gzip.compress((json.dumps(HEADER) + "\n" + rollout_line() + "\n").encode()))
+    with pytest.raises(TraceError, match="the file is gzip-compressed: name it .jsonl.gz"):
+        read_trace(str(path))
+
+
 def test_empty_and_unreadable_files(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

@@ -166,3 +166,11 @@ def test_spider_scores_only_reading_queries_with_bounded_rows_and_values(tmp_pat
     assert spider_reward("SELECT name FROM item", gold) == 1.0
     empty = {"db_path": db, "gold_sql": "SELECT name FROM item WHERE 0"}
     assert spider_reward("-----", empty) == 0.0 and spider_reward("SELECT name FROM item WHERE 0", empty) == 1.0
+
+
+def test_spider_dir_takes_a_home_relative_path_as_the_config_check_does(spider_dir, tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "spider").symlink_to(os.path.abspath(spider_dir))
+    assert len(spider_tasks("~/spider", 2)) == 2
