@@ -322,7 +322,6 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         progress.close()
         if saved_steps != trained_steps:
             _save_policy(ray, trainers, tokenizer, output_dir, trained_steps, limit)
-        _write_summary(output_dir, earlier.records, records)
         result = TrainResult(records, trace.path, output_dir, trace.rollouts, tracker.directory,
                              policy_path=os.path.join(output_dir, POLICY_DIR))
         result.report_path, summary = write_report(output_dir, earlier.records + [asdict(r) for r in records],

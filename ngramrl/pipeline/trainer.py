@@ -238,16 +238,18 @@ class PolicyTrainer:
         if batch is not None:
             return self._logprobs(self.reference, batch)
         if self.config.zero_stage == 3:
-            token = self.torch.zeros(1, 1, dtype=self.torch.long, device=self.device)
-            self.reference(input_ids=token, attention_mask=self.torch.ones_like(token))
+            self._one_token_logits(self.reference)
         return None
 
     def _zero_loss(self) -> Any:
         """A loss of exactly zero whose backward reaches every parameter (one token through the model)."""
-        torch = self.torch
-        token = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        logits = self.engine(input_ids=token, attention_mask=torch.ones_like(token)).logits
-        return logits.sum() * 0.0
+        return self._one_token_logits(self.engine).sum() * 0.0
+
+    def _one_token_logits(self, model: Any) -> Any:
+        """A forward of one token through ``model`` (under ZeRO-3 it gathers the shards with the
+        other ranks, whose forwards it matches)."""
+        token = self.torch.zeros(1, 1, dtype=self.torch.long, device=self.device)
+        return model(input_ids=token, attention_mask=self.torch.ones_like(token)).logits
 
     def _gathered(self, params: list[Any]) -> Any:
         """A context in which ``params`` are whole on this rank. Under ZeRO-3 each rank holds a

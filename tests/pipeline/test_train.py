@@ -154,6 +154,8 @@ def test_training_changes_the_policy_and_the_engines_follow(model_2k, tmp_path):
     assert resumed.steps[0].policy_checksum == pytest.approx(second.policy_checksum, rel=1e-4)
     assert resumed.steps[0].weight_sync_error < 1e-4
     assert json.loads((tmp_path / "policy" / "ngramrl_policy.json").read_text()) == {"steps": 3}
+    # summary.json holds every step of both runs (written as each step ends)
+    assert [record["step"] for record in json.loads((tmp_path / "summary.json").read_text())] == [0, 1, 2]
 
 
 def test_a_reward_that_is_not_a_number_stops_the_run_keeping_the_steps_before(model_2k, tmp_path, capsys):
