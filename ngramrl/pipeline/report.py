@@ -80,7 +80,9 @@ def _plot(path: str, steps: list[dict[str, Any]], series: list[EpochSeries], k: 
                     [r + d for r, d in zip(reward, spread, strict=True)], color="tab:green", alpha=0.15)
     ax.set(title="reward (mean, +-1 std over the step's rollouts)", xlabel="training step", ylabel="reward")
     ax = axes[0][1]
-    ax.plot(x, [s["offered_tokens_per_forward"] for s in steps], marker="o", label="offered by the drafts")
+    offered = [s.get("offered_tokens_per_forward") for s in steps]
+    if any(value is not None for value in offered):  # only ngramrl's drafts say what they offered
+        ax.plot(x, offered, marker="o", label="offered by the drafts")
     ax.plot(x, [s["tokens_per_forward"] for s in steps], marker="s", label="verified (vLLM)")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set(title="tokens per target forward", xlabel="training step", ylabel="tokens / forward")

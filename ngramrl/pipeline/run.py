@@ -60,10 +60,12 @@ class StepRecord:
     sync_seconds: float
     tokens: int
     tokens_per_forward: float      # committed tokens per target forward (vLLM's counters)
-    offered_tokens_per_forward: float  # what whole drafts would have given (the cost model may verify less)
+    # ngramrl's own measures; None (absent from the metrics) where the run drafts another way or
+    # does not prefetch, rather than numbers that read as "nothing offered, nothing covered".
+    offered_tokens_per_forward: float | None  # what whole drafts would have given (the cost model may verify less)
     acceptance: float              # accepted / drafted tokens
-    coverage: float                # lookups whose draft the prefetch had ready / lookups
-    drafter_ms_per_step: float     # the proposer's time per engine step
+    coverage: float | None         # lookups whose draft the prefetch had ready / lookups
+    drafter_ms_per_step: float | None  # the proposer's time per engine step
     pool_unsynced_prompts: int     # prompts that drafted from an engine's old copy: their shard was down
     pool_restarts: int
     pool_healthy: int
@@ -73,11 +75,15 @@ class StepRecord:
 
     def line(self) -> str:
         return (f"step {self.step:3d}  reward {self.reward:.3f}  loss {self.loss:+.4f}  kl {self.kl:.4f}  "
-                f"tok/fwd {self.tokens_per_forward:.2f} (offered {self.offered_tokens_per_forward:.2f})  "
-                f"accept {self.acceptance:.2f}  coverage {self.coverage:.2f}  "
+                f"tok/fwd {self.tokens_per_forward:.2f} (offered {_shown(self.offered_tokens_per_forward)})  "
+                f"accept {self.acceptance:.2f}  coverage {_shown(self.coverage)}  "
                 f"rollout {self.rollout_seconds:.1f}s ({self.tokens / max(self.rollout_seconds, 1e-9):.0f} tok/s)  "
                 f"train {self.train_seconds:.1f}s ({self.trained_samples} samples)  "
                 f"pool {self.pool_healthy} up, {self.pool_restarts} restarts")
+
+
+def _shown(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 @dataclass
@@ -96,8 +102,8 @@ class TrainResult:
         rows = [head]
         for r in self.steps:
             rows.append(f"{r.step:>4} {r.reward:>7.3f} {r.loss:>+8.4f} {r.tokens_per_forward:>7.2f} "
-                        f"{r.offered_tokens_per_forward:>7.2f} "
-                        f"{r.acceptance:>6.2f} {r.coverage:>6.2f} {r.rollout_seconds:>9.1f} "
+                        f"{_shown(r.offered_tokens_per_forward):>7} "
+                        f"{r.acceptance:>6.2f} {_shown(r.coverage):>6} {r.rollout_seconds:>9.1f} "
                         f"{r.tokens / max(r.rollout_seconds, 1e-9):>6.0f} {r.train_seconds:>7.1f} "
                         f"{r.pool_unsynced_prompts:>8d} {r.pool_restarts:>8d}")
         total = sum(r.rollout_seconds for r in self.steps)
@@ -311,10 +317,13 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
                 saved_steps = _save_policy(ray, trainers, tokenizer, output_dir, trained_steps, limit)
             health = pool.health() if pool is not None else []
             record = _record(step, scores, train_metrics, metrics, rollout_seconds, sync_seconds,
-                             restarts=(pool.restarts if pool else 0), healthy=sum(h is not None for h in health))
+                             restarts=(pool.restarts if pool else 0), healthy=sum(h is not None for h in health),
+                             drafts_ngramrl=config.rollout.draft == "ngramrl",
+                             prefetches=config.ngramrl.prefetch.budget > 0)
             records.append(record)
             record.weight_sync_error, record.policy_checksum = sync_error, checksum
-            tracker.log(step, {**asdict(record), **{f"engine/{k}": v for k, v in metrics.items()},
+            tracker.log(step, {**{k: v for k, v in asdict(record).items() if v is not None},
+                               **{f"engine/{k}": v for k, v in metrics.items()},
                                "pool/restarts_this_step": (pool.restarts if pool else 0) - restarts_before})
             _write_summary(output_dir, earlier.records, records)
             progress.write(record.line())
@@ -439,7 +448,8 @@ def _save_interrupted(output_dir: str, step: int, before: list[dict[str, Any]], 
 
 
 def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]], engine: dict[str, float],
-            rollout_seconds: float, sync_seconds: float, restarts: int, healthy: int) -> StepRecord:
+            rollout_seconds: float, sync_seconds: float, restarts: int, healthy: int, drafts_ngramrl: bool,
+            prefetches: bool) -> StepRecord:
     import statistics
 
     tokens = engine.get("tokens", 0.0)
@@ -451,9 +461,10 @@ def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]
         kl=mean("kl"), clip_fraction=mean("clip_fraction"), rollout_seconds=rollout_seconds,
         train_seconds=max(m["train_seconds"] for m in train_metrics), sync_seconds=sync_seconds, tokens=int(tokens),
         tokens_per_forward=ratio(tokens, tokens - accepted, 1.0),
-        offered_tokens_per_forward=rates["offered_tokens_per_forward"],
+        offered_tokens_per_forward=rates["offered_tokens_per_forward"] if drafts_ngramrl else None,
         acceptance=ratio(accepted, engine.get("vllm_num_draft_tokens", 0.0)),
-        coverage=rates["prefetch_coverage"], drafter_ms_per_step=rates["drafter_ms_per_step"],
+        coverage=rates["prefetch_coverage"] if drafts_ngramrl and prefetches else None,
+        drafter_ms_per_step=rates["drafter_ms_per_step"] if drafts_ngramrl else None,
         pool_unsynced_prompts=int(rates["pool_unsynced_prompts"]),
         pool_restarts=restarts, pool_healthy=healthy,
         trained_samples=int(sum(m.get("trained_samples", 0.0) for m in train_metrics)))

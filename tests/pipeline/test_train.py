@@ -124,6 +124,12 @@ def test_greedy_rollouts_are_identical_with_ngramrl_off(faulty_run, model_2k, tm
     without = sorted(plain.rollouts, key=key)
     assert [r.output for r in with_drafts] == [r.output for r in without]
     assert all(s.tokens_per_forward == 1.0 for s in plain.steps)
+    # ngramrl's own measures are absent from a run that does not draft with it, not "offered 1.0,
+    # coverage 0.0"; the printed lines and table show them as "-".
+    assert all(s.offered_tokens_per_forward is s.coverage is s.drafter_ms_per_step is None for s in plain.steps)
+    logged = [json.loads(line) for line in open(os.path.join(plain.output_dir, "metrics.jsonl"))]
+    assert logged and not any({"offered_tokens_per_forward", "coverage"} & set(m) for m in logged)
+    assert "offered -" in plain.steps[0].line() and plain.summary()
 
 
 def test_training_changes_the_policy_and_the_engines_follow(model_2k, tmp_path):
