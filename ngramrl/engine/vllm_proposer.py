@@ -320,6 +320,10 @@ class NgramRLProposer:
         # The tokens each request may reach (prompt + max_tokens), where below max_model_len; a
         # batch's as an array by row, kept with its ranks in ``_batch_states``.
         self._ends: dict[str, int] = {}
+        # A request's own stop token ids (SamplingParams.stop_token_ids) past the drafter's: vLLM
+        # ends the request there, so its drafts are verified only up to the first of them.
+        self._stops: dict[str, np.ndarray] = {}
+        self._all_stops: np.ndarray | None = None  # every live request's own stops (made when needed)
         # Each request's rank in the order the requests came: the source sees a step's rows in that
         # order, so the drafts do not depend on the engine's batch order (vLLM moves rows into the
         # places of finished requests, and the history's insertion order decides ties). NO_PROMPT
@@ -480,6 +484,8 @@ class NgramRLProposer:
         touched_ns += self.clock() - drafting
         self.stats.prefetch_hits += int(np.count_nonzero(made.prefetched))
         lengths, expected, paid = self._lengths(made, exploring)
+        if self._stops:
+            lengths = self._cut_at_own_stops(made, lengths, rows)
         if looked and self.config.engine.adaptive_length:
             pays = paid and self._lookups_pay(len(rows), int(lengths.sum()), expected * self._delivery())
             self._back_off(pays, len(rows), exploring)
@@ -617,6 +623,26 @@ class NgramRLProposer:
         self._probes += probed
         return np.asarray(chosen, dtype=np.int64), expected, paid
 
+    def _cut_at_own_stops(self, made: DraftBatch, lengths: np.ndarray, rows: StepRows) -> np.ndarray:
+        """Each row whose request has stop token ids of its own verifies its draft only up to the
+        first of them (kept: it may be accepted and end the request). One pass over the step's
+        draft tokens for any request's stops; only the few hits are looked at row by row."""
+        if self._all_stops is None:
+            self._all_stops = np.unique(np.concatenate(list(self._stops.values())))
+        hits = np.flatnonzero(np.isin(made.tokens, self._all_stops))
+        if not len(hits):
+            return lengths
+        cut = lengths.copy()
+        for position, r in zip(hits.tolist(), (np.searchsorted(made.offsets, hits, side="right") - 1).tolist(),
+                               strict=True):
+            offset = position - int(made.offsets[r])
+            if offset >= cut[r]:
+                continue
+            stops = self._stops.get(rows.batch[int(rows.index[r])])
+            if stops is not None and made.tokens[position] in stops:
+                cut[r] = offset + 1
+        return cut
+
     def _delivery(self) -> float:
         """What verified drafts delivered against what their chances expected (at most 1): the
         tokens chosen are those the model rates highest, so their chances run high (the winner's
@@ -707,6 +733,10 @@ class NgramRLProposer:
             max_tokens = getattr(params, "max_tokens", None)
             if isinstance(max_tokens, int) and len(prompt) + max_tokens < self.max_model_len:
                 self._ends[req_id] = len(prompt) + max_tokens
+            own_stops = set(getattr(params, "stop_token_ids", None) or ()) - set(self.drafter_config.stop_tokens)
+            if own_stops:
+                self._stops[req_id] = np.array(sorted(own_stops), dtype=np.int64)
+                self._all_stops = None
             starting.append((req_id, str(prompt_id), prompt, before, epoch))
         if not starting:
             return
@@ -732,6 +762,8 @@ class NgramRLProposer:
             request = self.requests.pop(req_id)
             epoch = self.epochs.pop(req_id, 0)
             self._ends.pop(req_id, None)
+            if self._stops.pop(req_id, None) is not None:
+                self._all_stops = None
             del self._arrival[req_id]
             if request is not None:
                 ending.append(request)

@@ -434,6 +434,24 @@ def test_drafts_stop_at_the_generation_configs_end_of_turn_too(monkeypatch):
     assert proposer.propose([[100]], [4], None) == [[101, 9]]
 
 
+def test_drafts_are_verified_only_up_to_a_requests_own_stop_token(monkeypatch):
+    """vLLM ends a request at its own ``stop_token_ids`` too: its draft is sent up to the first of
+    them; a request without them drafts on through the same tokens."""
+    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch="off",
+                                                                                   adaptive_length=False),
+                                                                drafter=DrafterConfig(use_global=False))))
+    proposer = NgramRLProposer(standin_vllm_config(6, eos_token_ids=(2,)))
+    runner = StandInRunner()
+    proposer.bind_runner(runner)
+    proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 77, 300, 301, 302, 303], epoch=0)
+    runner.add("own", "p", [1, 2, 3], epoch=1).sampling_params.stop_token_ids = [77, 2]
+    runner.add("plain", "p", [1, 2, 3], epoch=1)
+    assert proposer.propose([[100], [100]], [4, 4], None) == [[101, 77], [101, 77, 300, 301, 302, 303]]
+    runner.remove("own")
+    assert proposer.propose([[101]], [5], None) == [[77, 300, 301, 302, 303]]
+    assert proposer._stops == {}  # the finished request's stops went with it
+
+
 def test_a_request_out_of_the_batch_but_in_the_runner_is_not_finished(monkeypatch):
     """vLLM keeps a request it did not schedule this step (preempted, waiting) in its runner's
     requests and out of the batch: it is no rollout yet. Back in the batch it drafts on from its
