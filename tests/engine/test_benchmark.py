@@ -4,7 +4,6 @@ docs/vllm.md has its runs)."""
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
