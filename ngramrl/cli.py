@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ngramrl.config import ENGINE_DTYPES, PrefetchConfig
+from ngramrl.config import ENGINE_DTYPES, PrefetchConfig, number
 from ngramrl.core.trace import TraceError
 from ngramrl.paths import OutputPaths
 
@@ -126,6 +126,10 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--task-settings is not JSON: {err}") from None
     if not isinstance(settings, dict):
         raise ValueError(f"--task-settings must be a JSON object of settings, got {args.task_settings}")
+    if args.workload != "reasoning_gym" and (args.task or args.task_settings):
+        raise ValueError(f"--task and --task-settings are for --workload reasoning_gym, not {args.workload}")
+    if args.workload != "spider" and args.spider_dir:
+        raise ValueError(f"--spider-dir is for --workload spider, not {args.workload}")
     model = args.model or BUILTIN_MODELS[0]
     try:
         check_model_path(model)
@@ -161,6 +165,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume or args.overwrite:
         overrides.append(f"run.if_exists={'resume' if args.resume else 'overwrite'}")
     config = load_config(args.config, overrides)  # rejected here, before Ray starts
+    config.check_local_gpus()
     if args.check:  # (train plans the run directory first thing too)
         plan = plan_run_dir(config)
         what = {"new": "a new run", "resume": "resumes the run there",
@@ -206,17 +211,30 @@ def _profile_gpu(args: argparse.Namespace) -> int:
         write_profile,
     )
 
+    measuring = [flag for flag, value in (("--device", args.device), ("--quick", args.quick),
+                                          ("--time-budget-s", args.time_budget_s), ("--progress", args.progress))
+                 if value not in (None, False)]
+    specifying = [flag for flag, value in (("--efficiency", args.efficiency), ("--overhead-ms", args.overhead_ms))
+                  if value is not None]
+    if args.roofline and measuring:
+        raise ValueError(f"{', '.join(measuring)}: for measuring on a device; --roofline computes the profile "
+                         f"from the GPU's specifications")
+    if not args.roofline and specifying:
+        raise ValueError(f"{', '.join(specifying)}: for --roofline (a profile from a GPU's specifications); "
+                         f"without it the profile is measured")
     args.out = OutputPaths(inputs=[p for p in (model_config_path(args.model),) if p]).file(args.out, "--out")
     shape = model_shape(args.model)
     host = HostOverhead(*args.host_ms) if args.host_ms else HostOverhead()
     if args.roofline:
-        settings = RooflineSettings(*(args.efficiency or (0.85, 0.7)), step_overhead_ms=args.overhead_ms)
+        settings = RooflineSettings(*(args.efficiency or (0.85, 0.7)),
+                                    step_overhead_ms=0.15 if args.overhead_ms is None else args.overhead_ms)
         profile = roofline_profile(args.roofline, shape, k=args.k, settings=settings, host=host)
     else:
         from ngramrl.bench.gpu_profile import MeasureConfig, measure_profile
 
-        profile = measure_profile(shape, MeasureConfig(device=args.device, k=args.k, quick=args.quick,
-                                                       time_budget_s=args.time_budget_s), host=host,
+        profile = measure_profile(shape, MeasureConfig(device=args.device or "cuda", k=args.k, quick=args.quick,
+                                                       time_budget_s=(420.0 if args.time_budget_s is None
+                                                                      else args.time_budget_s)), host=host,
                                   progress=args.progress)
     write_profile(profile, args.out)
     fastest = min(v for row in profile.step_ms for cell in row for v in cell)
@@ -280,8 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts", type=int, default=12)
     gen.add_argument("--samples", type=int, default=4)
     gen.add_argument("--epochs", type=int, default=4)
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--temperature", type=number, default=1.0)
+    gen.add_argument("--top-p", type=number, default=1.0)
     gen.add_argument("--max-tokens", type=int, default=192)
     gen.add_argument("--batch-size", type=int, default=48)
     gen.add_argument("--seed", type=int, default=0)
@@ -302,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--k", type=int, default=8, help="most draft tokens per request per step")
     steps.add_argument("--profile", help="step profile giving the forward's length (default: the roofline of a "
                                          "Qwen3-8B shape on an H100)")
-    steps.add_argument("--flush-mb", type=float, default=32.0,
+    steps.add_argument("--flush-mb", type=number, default=32.0,
                        help="size of the cache-polluting pass standing in for the forward (MB)")
     steps.add_argument("--draft-always", action="store_true",
                        help="every row drafts k tokens at every step (the step-cost model off): what drafting costs "
@@ -321,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "with the first run's of the same repeat")
     steps.add_argument("--pool-shards", type=int, default=2, metavar="N",
                        help="ngramrl-pool's drafter actors (pool.shards)")
-    steps.add_argument("--pool-sync-wait-ms", type=float, default=20.0, metavar="MS",
+    steps.add_argument("--pool-sync-wait-ms", type=number, default=20.0, metavar="MS",
                        help="how long ngramrl-pool's step that starts prompts waits for their history from the pool "
                             "(pool.sync_wait_ms)")
     steps.add_argument("--json", help="write the results as JSON here")
@@ -334,16 +352,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "tiny) or a Hugging Face config.json")
     gpu.add_argument("--out", required=True, help="profile JSON to write")
     gpu.add_argument("--roofline", help="from specifications instead of measuring: h100, h200, a100 or l40s")
-    gpu.add_argument("--device", default="cuda", help="device to measure on (cuda, cpu)")
+    gpu.add_argument("--device", help="device to measure on (cuda, cpu; default cuda)")
     gpu.add_argument("--quick", action="store_true", help="a small grid (meant for about 2 minutes on an H100)")
     gpu.add_argument("--k", type=int, default=8, help="most draft tokens per request the grid covers")
-    gpu.add_argument("--time-budget-s", type=float, default=420.0,
-                     help="stop measuring after this long; shapes left out are extrapolated and marked")
-    gpu.add_argument("--host-ms", type=float, nargs=2, metavar=("BASE", "PER_REQUEST"),
+    gpu.add_argument("--time-budget-s", type=number,
+                     help="stop measuring after this long (default 420); shapes left out are extrapolated and "
+                          "marked")
+    gpu.add_argument("--host-ms", type=number, nargs=2, metavar=("BASE", "PER_REQUEST"),
                      help="host work per step outside the forward, ms (default 0.5 and 0.003)")
-    gpu.add_argument("--efficiency", type=float, nargs=2, metavar=("MEMORY", "FLOPS"),
+    gpu.add_argument("--efficiency", type=number, nargs=2, metavar=("MEMORY", "FLOPS"),
                      help="roofline: fractions of peak bandwidth and FLOP/s kernels reach (default 0.85 0.7)")
-    gpu.add_argument("--overhead-ms", type=float, default=0.15, help="roofline: fixed device time per step")
+    gpu.add_argument("--overhead-ms", type=number, help="roofline: fixed device time per step (default 0.15)")
     gpu.add_argument("--progress", action="store_true", help="print each measured shape")
     gpu.set_defaults(func=_profile_gpu)
 
@@ -361,10 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "requests)")
     proj.add_argument("--waves", action="store_true",
                       help="each group of B requests drains before the next starts (a loop of generate calls)")
-    proj.add_argument("--host-ms", type=float, nargs=2, metavar=("BASE", "PER_REQUEST"),
+    proj.add_argument("--host-ms", type=number, nargs=2, metavar=("BASE", "PER_REQUEST"),
                       help="host work per step, ms, instead of the profile's")
-    proj.add_argument("--flush-mb", type=float, default=32.0, help="cache-polluting pass per step (MB)")
-    proj.add_argument("--cpu-scale", type=float, default=1.0,
+    proj.add_argument("--flush-mb", type=number, default=32.0, help="cache-polluting pass per step (MB)")
+    proj.add_argument("--cpu-scale", type=number, default=1.0,
                       help="count the proposers' CPU time this many times what it takes here (the engine host's CPU "
                            "against this one; 0: drafting costs no time, the bound a free drafting core would reach)")
     proj.add_argument("--jobs", type=int, default=1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import types
 import typing
@@ -53,6 +54,18 @@ def describe(hint: Any) -> str:
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
 
 
+def number(text: str) -> float:
+    """A command-line flag's number (argparse's ``type``): NaN and infinity pass every range check
+    and fail late (a NaN temperature samples greedily, then the trace refuses it), so they are
+    refused with the flag's name before any work."""
+    import argparse
+
+    value = float(text)  # argparse turns a ValueError into "invalid number value: 'x'"
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def check_types(config: Any) -> None:
     """Every field of the dataclass ``config`` holds a value of its declared type, or a ValueError
     naming the class and the field (``DrafterConfig.stop_tokens must be ...``)."""
@@ -62,6 +75,8 @@ def check_types(config: Any) -> None:
         ok, kept = fits(value, hints[f.name])
         if not ok:
             raise ValueError(f"{type(config).__name__}.{f.name} must be {describe(hints[f.name])}, got {value!r}")
+        if isinstance(kept, float) and not math.isfinite(kept):  # NaN passes every range check
+            raise ValueError(f"{type(config).__name__}.{f.name} must be a finite number, got {value!r}")
         if kept is not value:
             object.__setattr__(config, f.name, kept)
 

@@ -580,6 +580,8 @@ def test_generate_keeps_an_existing_trace_unless_told_to_overwrite_it(tmp_path, 
     (["--workload", "reasoning_gym", "--task", "products", "--task-settings", '{{"min_digitz": 1}}'],
      "task_settings {{'min_digitz': 1}} do not suit products"),
     (["--workload", "reasoning_gym"], "task is required for the reasoning_gym workload"),
+    (["--task", "products"], "--task and --task-settings are for --workload reasoning_gym, not gsm"),
+    (["--spider-dir", "{tmp}"], "--spider-dir is for --workload spider, not gsm"),
 ])
 def test_generate_checks_its_settings_before_loading_anything(tmp_path, capsys, monkeypatch, args, message):
     import ngramrl.data.workloads
@@ -591,6 +593,37 @@ def test_generate_checks_its_settings_before_loading_anything(tmp_path, capsys, 
     workload = [] if "--workload" in args else ["--workload", "gsm"]
     assert main(["generate", *workload, *map(fill, args), "--out", str(tmp_path / "t.jsonl.gz")]) == 2
     assert fill(message) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["generate", "--workload", "gsm", "--out", "t.jsonl.gz", "--temperature", "nan"], "--temperature"),
+    (["generate", "--workload", "gsm", "--out", "t.jsonl.gz", "--top-p", "inf"], "--top-p"),
+    (["bench-steps", "t.jsonl.gz", "--batch", "2", "--flush-mb", "inf"], "--flush-mb"),
+    (["bench-steps", "t.jsonl.gz", "--batch", "2", "--pool-sync-wait-ms", "nan"], "--pool-sync-wait-ms"),
+    (["project", "t.jsonl.gz", "--profile", "p.json", "--cpu-scale", "nan"], "--cpu-scale"),
+    (["profile-gpu", "--roofline", "h100", "--out", "p.json", "--host-ms", "nan", "0"], "--host-ms"),
+])
+def test_number_flags_refuse_nan_and_infinity_by_name(args, flag, capsys, tmp_path, monkeypatch):
+    """NaN passes every range check and infinity overflows where it is used: both are refused as
+    the flags are read, naming the flag."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    assert stopped.value.code == 2
+    assert f"argument {flag}: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cpu"], "--device: for measuring on a device; --roofline computes"),
+    (["--quick", "--time-budget-s", "5"], "--quick, --time-budget-s: for measuring"),
+])
+def test_profile_gpu_refuses_flags_of_the_other_mode(args, message, tmp_path, capsys):
+    out = str(tmp_path / "p.json")
+    assert main(["profile-gpu", "--roofline", "h100", "--model", "tiny", "--out", out, *args]) == 2
+    assert message in capsys.readouterr().err
+    assert main(["profile-gpu", "--model", "tiny", "--out", out, "--efficiency", "0.8", "0.7"]) == 2
+    assert "--efficiency: for --roofline" in capsys.readouterr().err
+    assert not os.path.exists(out)
 
 
 def test_train_names_a_garbage_snapshot_before_anything_starts(tmp_path, capsys):

@@ -8,6 +8,7 @@ interrupted run keeps what it finished.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -39,9 +40,9 @@ class GenerationConfig:
         for name in ("samples", "epochs", "max_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature (--temperature) must be a number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # (NaN fails it too)
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 

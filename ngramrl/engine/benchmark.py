@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 
-from ngramrl.config import DrafterConfig, EngineConfig, NgramRLConfig
+from ngramrl.config import DrafterConfig, EngineConfig, NgramRLConfig, number
 
 METHODS = ("none", "none-sync", "spec-floor", "ngram", "suffix", "ngramrl", "ngramrl-prefetch", "ngramrl-prefetch-on")
 # ngramrl's prefetch setting per arm: synchronous; the default ("auto": on only where the forward
@@ -264,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--fixed-k", action="store_true", help="ngramrl without the step-cost model")
-    parser.add_argument("--min-confidence", type=float, default=0.0,
+    parser.add_argument("--min-confidence", type=number, default=0.0,
                         help="ngramrl drafts stop below this estimated chance (1.0: lookups that never "
                              "draft; the spec-floor arm is vLLM's speculative mode with no proposer work)")
-    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--temperature", type=number, default=0.6)
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=1,

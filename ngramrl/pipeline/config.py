@@ -125,8 +125,10 @@ class WorkloadSection:
             raise ValueError(f"prompts must be >= 1, got {self.prompts}")
         if self.name == "reasoning_gym":
             check_reasoning_gym_task(self.task, self.task_settings)
-        elif self.task is not None:
-            raise ValueError(f"task is for the reasoning_gym workload, not {self.name}")
+        elif self.task is not None or self.task_settings:
+            raise ValueError(f"task and task_settings are for the reasoning_gym workload, not {self.name}")
+        if self.spider_dir is not None and self.name != "spider":
+            raise ValueError(f"spider_dir is for the spider workload, not {self.name}")
         if self.name == "spider":
             if not self.spider_dir:
                 raise ValueError("spider_dir is required for the spider workload")
@@ -162,8 +164,10 @@ class RolloutSection:
         if self.samples_per_prompt < 2:
             raise ValueError(f"samples_per_prompt must be >= 2 (GRPO compares the samples of a prompt), "
                              f"got {self.samples_per_prompt}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if not 0 <= self.temperature <= 2:  # vLLM's SamplingParams refuses more, at the first rollout
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (no top-k) or >= 1, got {self.top_k}")
         if self.max_tokens >= self.max_model_len:
@@ -175,6 +179,23 @@ class RolloutSection:
             raise ValueError(f"threads must be >= 0 (0: all of the machine's), got {self.threads}")
         if self.cpu_kv_cache_gib < 1:  # vLLM's CPU engine takes 0 as a KV cache of no bytes, not as its default
             raise ValueError(f"cpu_kv_cache_gib must be >= 1, got {self.cpu_kv_cache_gib}")
+        _check_engine_args(self.engine_args)
+
+
+def _check_engine_args(engine_args: dict[str, Any]) -> None:
+    """Keys vLLM's EngineArgs does not take would fail inside each engine actor at start-up."""
+    if not engine_args:
+        return
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:  # checked where the engines run
+        return
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(engine_args) - known)
+    if unknown:
+        raise ValueError(f"engine_args: {', '.join(unknown)} {'is not a' if len(unknown) == 1 else 'are not'} "
+                         f"vllm.EngineArgs setting{'' if len(unknown) == 1 else 's'} (vLLM's engine arguments, "
+                         f"e.g. max_num_seqs)")
 
 
 @dataclass
@@ -323,6 +344,25 @@ class TrainConfig:
                 + self.trainer.num_actors * self.trainer.num_cpus_per_actor
                 + self.pool.shards * self.pool.num_cpus_per_shard)
 
+    def gpus_needed(self) -> float:
+        """The GPUs the run's actors reserve in Ray."""
+        return (self.rollout.engines * self.rollout.num_gpus_per_engine
+                + self.trainer.num_actors * self.trainer.num_gpus_per_actor)
+
+    def check_local_gpus(self) -> None:
+        """A run on a Ray cluster of its own (no ray.address) must find the GPUs its actors reserve
+        on this machine: Ray would otherwise wait for them until run.timeout_s, without a word."""
+        needed = self.gpus_needed()
+        if needed <= 0 or self.ray.address or os.environ.get("RAY_ADDRESS"):
+            return
+        import torch
+
+        have = torch.cuda.device_count()
+        if needed > have + 1e-9:
+            raise ConfigError(f"the run reserves {needed:g} GPUs (rollout.engines x num_gpus_per_engine + "
+                              f"trainer.num_actors x num_gpus_per_actor) and this machine has {have}; set "
+                              f"ray.address to run on a cluster, or ask for fewer")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -354,8 +394,8 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
         ok, kept = fits(value, hint)
         if not ok or (origin is tuple and not isinstance(value, (list, tuple))):
             raise ConfigError(f"{where} must be {describe(hint)}, got {value!r}")
-        if hint is float and math.isnan(kept):  # NaN fails every comparison, so no range check would catch it
-            raise ConfigError(f"{where} must be a number, got {value!r}")
+        if hint is float and not math.isfinite(kept):  # NaN fails every comparison; Ray and vLLM refuse inf late
+            raise ConfigError(f"{where} must be a finite number, got {value!r}")
         return kept
     if origin is dict:
         if not isinstance(value, dict):
@@ -431,6 +471,27 @@ def config_from_dict(raw: dict[str, Any], source: str = "<config>") -> TrainConf
         raise ConfigError(f"{source}: {err}") from None
 
 
+def _unique_keys_loader() -> type:
+    """PyYAML's SafeLoader, except that a key given twice in one mapping is an error (plain YAML
+    keeps the last, and the first's settings are silently lost)."""
+    import yaml
+
+    class UniqueKeysLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (on line {seen[key].start_mark.line + 1} and line "
+                                    f"{key_node.start_mark.line + 1}); the first would be ignored",
+                        key_node.start_mark)
+                seen[key] = key_node
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeysLoader
+
+
 def load_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML config (None: the built-in defaults) and apply ``section.key=value`` overrides."""
     import yaml
@@ -444,7 +505,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
             raise ConfigError(f"{path}: is a directory, not a YAML config file (e.g. ray_configs/cpu_default.yaml)")
         try:
             with open(path, encoding="utf-8") as handle:
-                raw = yaml.safe_load(handle)
+                raw = yaml.load(handle, Loader=_unique_keys_loader())  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
         except (OSError, UnicodeDecodeError) as err:
@@ -462,7 +523,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
     workload = raw.get("workload")
     if isinstance(workload, dict) and workload.get("name") != file_workload.get("name"):
         # --set workload.name=... picks another workload: the file's task belongs to the one it named.
-        for key in ("task", "task_settings"):
+        for key in ("task", "task_settings", "spider_dir"):
             if key in workload and workload[key] == file_workload.get(key):
                 del workload[key]
     return config_from_dict(raw, source)

@@ -168,6 +168,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
 
     run, rollout = config.run, config.rollout
     plan = plan_run_dir(config)  # every output checked before anything starts
+    config.check_local_gpus()
     # The model, the prompts and the reward load before the run directory is touched: a bad one
     # must not cost an --overwrite'n run its files, nor leave a config.json that refuses the retry.
     model_dir = resolve_model(config.model.path)

@@ -271,7 +271,8 @@ def test_outcome_sources_are_the_prompt_index_then_the_cross_prompt_one():
     (dict(min_match=0), "min_match"), (dict(stop_tokens=2), "stop_tokens must be a list of integers, got 2"),
     (dict(stop_tokens="2"), "stop_tokens must be a list of integers"), (dict(stop_tokens=[2, -1]), "token ids >= 0"),
     (dict(max_draft="16"), "max_draft must be an integer, got '16'"), (dict(use_global="no"), "true or false"),
-    (dict(levels=0), "levels and path_width must be >= 1"), (dict(path_width=0), "levels and path_width must be >= 1")])
+    (dict(levels=0), "levels and path_width must be >= 1"), (dict(path_width=0), "levels and path_width must be >= 1"),
+    (dict(min_confidence=float("nan")), "DrafterConfig.min_confidence must be a finite number, got nan")])
 def test_config_rejects_bad_values(bad, message):
     with pytest.raises(ValueError, match=message):
         DrafterConfig(**bad)
@@ -279,6 +280,18 @@ def test_config_rejects_bad_values(bad, message):
 
 def test_config_takes_any_sequence_of_stop_tokens():
     assert DrafterConfig(stop_tokens=[2, 7]).stop_tokens == (2, 7)
+
+
+def test_every_core_config_refuses_nan_and_infinity():
+    """The engines read their configuration from NGRAMRL_CONFIG (JSON allows NaN): a NaN passes
+    every range check, so each float field is checked to be finite."""
+    from ngramrl.config import EngineConfig, PrefetchConfig
+
+    for config_class, name in ((PrefetchConfig, "prior_strength"), (EngineConfig, "min_gain"),
+                               (PrefetchConfig, "calibration_decay")):
+        for value in (float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=f"{config_class.__name__}.{name} must be a finite number"):
+                config_class(**{name: value})
 
 
 def test_history_config_rejects_bad_values():

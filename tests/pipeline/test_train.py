@@ -164,11 +164,13 @@ def test_training_changes_the_policy_and_the_engines_follow(model_2k, tmp_path):
     assert [record["step"] for record in json.loads((tmp_path / "summary.json").read_text())] == [0, 1, 2]
 
 
-def test_a_reward_that_is_not_a_number_stops_the_run_keeping_the_steps_before(model_2k, tmp_path, capsys):
+def test_a_reward_that_is_not_a_number_stops_the_run_keeping_the_steps_before(model_2k, tmp_path, capsys,
+                                                                             monkeypatch):
     """Step 1's reward is NaN: the run stops there with an error that names the reward, before
     training on it, and keeps step 0 (its metrics, rollouts and the policy it trained) for --resume."""
     from ngramrl.pipeline.run import train
 
+    monkeypatch.setattr(nan_in_step_1, "calls", 2 * 4)  # the rewards run in this process: a rerun starts over
     out = tmp_path / "run"
     with pytest.raises(ValueError, match=r"the reward 'tests.pipeline.test_train:nan_in_step_1' returned nan .* "
                                          r"in step 1: a reward must be a finite number"):
