@@ -157,6 +157,36 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _to_trace(args: argparse.Namespace) -> int:
+    from ngramrl.core.trace import write_trace
+    from ngramrl.data.convert import RolloutKeys, read_logged_rollouts, trace_header
+
+    args.out = OutputPaths(inputs=args.rollouts).file(args.out, "--out")
+    if os.path.exists(args.out) and not args.overwrite:
+        raise ValueError(f"--out {args.out} exists; name another file, or pass --overwrite to replace it")
+    for path in args.rollouts:
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: no such file")
+    tokenizer = model_dir = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--tokenizer {args.tokenizer!r}: cannot load it ({err})") from None
+        model_dir = args.tokenizer if os.path.isdir(args.tokenizer) else None
+    keys = RolloutKeys(prompt=args.prompt_key, output=args.output_key, epoch=args.epoch_key,
+                       prompt_id=args.prompt_id_key, reward=args.reward_key or None)
+    rollouts = read_logged_rollouts(args.rollouts, keys, tokenizer)
+    header = trace_header(rollouts, tokenizer, model_dir, name=args.tokenizer)
+    write_trace(args.out, header, rollouts)
+    epochs = sorted({r.epoch for r in rollouts})
+    print(f"wrote {args.out}: {len(rollouts)} rollouts of {len({r.prompt_id for r in rollouts})} prompts over "
+          f"{len(epochs)} epochs; replay it with: ngramrl bench {args.out} --k 16")
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from ngramrl.pipeline.config import load_config
     from ngramrl.pipeline.rundir import plan_run_dir
@@ -307,6 +337,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model's dtype (auto: bfloat16 where the device computes in it, else float32 on a "
                           "CPU, float16 on a GPU)")
     gen.set_defaults(func=_generate)
+
+    conv = sub.add_parser("to-trace", help="turn rollouts an RL framework logged (JSON lines: prompt, output, "
+                                           "step) into a trace for `ngramrl bench` (docs/trace-format.md)")
+    conv.add_argument("rollouts", nargs="+", metavar="ROLLOUTS",
+                      help="JSON-lines files (.gz too), one rollout a line; e.g. veRL's rollout_data_dir/*.jsonl")
+    conv.add_argument("--out", required=True, help="trace file to write (.jsonl.gz)")
+    conv.add_argument("--tokenizer", help="the policy's tokenizer (a model directory or Hugging Face id), for "
+                                          "rollouts logged as text")
+    conv.add_argument("--prompt-key", default="input", help="the prompt's key (default input, as veRL logs)")
+    conv.add_argument("--output-key", default="output", help="the output's key (default output)")
+    conv.add_argument("--epoch-key", default="step", help="the training step's (or epoch's) key (default step)")
+    conv.add_argument("--prompt-id-key", help="a key naming the prompt (default: the same prompt, the same id)")
+    conv.add_argument("--reward-key", default="score", help="the reward's key, kept where a number (default score)")
+    conv.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    conv.set_defaults(func=_to_trace)
 
     steps = sub.add_parser("bench-steps", help="the drafting proposer's time per engine step at B requests in "
                                               "flight (docs/bench-contract.md)")
