@@ -103,10 +103,66 @@ class Trace:
         return sorted({r.epoch for r in self.rollouts})
 
 
-def _open_text(path: str, mode: str) -> io.TextIOBase:
+class _Prefix(io.RawIOBase):
+    """The first ``length`` bytes of a file, read as a file."""
+
+    def __init__(self, path: str, length: int) -> None:
+        self._file = open(path, "rb")  # noqa: SIM115 - closed with this reader
+        self._left = length
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer)[:self._left]
+        count = self._file.readinto(view)
+        self._left -= count
+        return count
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def _open_text(path: str, mode: str, length: int | None = None) -> io.TextIOBase:
+    if length is not None:
+        raw = io.BufferedReader(_Prefix(path, length))
+        binary = gzip.GzipFile(fileobj=raw, mode="rb") if path.endswith(".gz") else raw
+        return io.TextIOWrapper(binary, encoding="utf-8")
     if path.endswith(".gz"):
         return gzip.open(path, mode + "t", encoding="utf-8")  # type: ignore[return-value]
     return open(path, mode, encoding="utf-8")
+
+
+def whole_length(path: str) -> int:
+    """How much of a trace is whole: a .gz trace grows by one gzip member per append, a plain one
+    by whole lines, and a writer stopped in an append leaves a torn last one past this length."""
+    if not path.endswith(".gz"):
+        with open(path, "rb") as handle:
+            return handle.read().rfind(b"\n") + 1
+    with open(path, "rb") as handle:
+        return _whole_members(handle)
+
+
+def _whole_members(handle: Any) -> int:
+    whole = consumed = 0
+    member = zlib.decompressobj(31)
+    try:
+        while chunk := handle.read(1 << 20):
+            while chunk:
+                member.decompress(chunk, 1 << 16)  # the text is not kept: only where members end
+                while member.unconsumed_tail:
+                    member.decompress(member.unconsumed_tail, 1 << 16)
+                if not member.eof:
+                    consumed += len(chunk)
+                    break
+                consumed += len(chunk) - len(member.unused_data)
+                whole = consumed
+                chunk = member.unused_data
+                member = zlib.decompressobj(31)
+    except zlib.error:  # bytes after the last whole member that start no gzip member
+        pass
+    return whole
 
 
 def _is_int(value: Any) -> bool:
@@ -215,14 +271,15 @@ def _is_gzip(path: str) -> bool:
         return False
 
 
-def iter_trace(path: str) -> Iterator[TraceHeader | Rollout]:
-    """Yield the header, then each rollout, validating as it goes."""
+def iter_trace(path: str, length: int | None = None) -> Iterator[TraceHeader | Rollout]:
+    """Yield the header, then each rollout, validating as it goes; ``length``: read only the file's
+    first bytes (its whole part, ``whole_length``, where a writer was stopped mid-append)."""
     prompts: dict[str, list[int]] = {}
     seen: dict[tuple[str, int, int], int] = {}  # (prompt_id, epoch, sample) -> its line
     last_epoch = -1
     header: TraceHeader | None = None
     try:
-        with _open_text(path, "r") as handle:
+        with _open_text(path, "r", length) as handle:
             for line_no, raw in enumerate(handle, start=1):
                 if header is None:
                     header = _parse_header(path, raw)
@@ -297,15 +354,45 @@ def write_trace(path: str, header: TraceHeader, rollouts: Iterable[Rollout]) -> 
 
 
 class TraceWriter:
-    """Append rollouts as they finish; the file is valid after every ``flush``."""
+    """A trace written as it grows: each ``flush`` appends the rollouts added since the last one
+    (for a .gz trace, one gzip member), synced to disk, so a flush costs what it adds, not the
+    whole trace so far (a long RL run's trace is gigabytes). The file is valid after every flush.
+    A flush whose rollouts would put an epoch before one already written (the format orders by
+    epoch) rewrites the file sorted, atomically, instead. ``continue_at``: append to the file's
+    first ``continue_at`` bytes (``whole_length``: an earlier writer may have been stopped in an
+    append), which hold ``count`` rollouts up to epoch ``last_epoch``."""
 
-    def __init__(self, path: str, header: TraceHeader) -> None:
+    def __init__(self, path: str, header: TraceHeader, continue_at: int | None = None, count: int = 0,
+                 last_epoch: int = -1) -> None:
         self.path = path
         self.header = header
-        self.rollouts: list[Rollout] = []
+        self.pending: list[Rollout] = []
+        self.count = count
+        self.last_epoch = last_epoch
+        self._started = continue_at is not None
+        if continue_at is not None and os.path.getsize(path) > continue_at:
+            with open(path, "r+b") as handle:
+                handle.truncate(continue_at)
 
     def add(self, rollout: Rollout) -> None:
-        self.rollouts.append(rollout)
+        self.pending.append(rollout)
 
     def flush(self) -> None:
-        write_trace(self.path, self.header, self.rollouts)
+        batch = sorted(self.pending, key=lambda r: (r.epoch, r.prompt_id, r.sample))
+        if not self._started:
+            write_trace(self.path, self.header, batch)
+            self._started = True
+        elif batch and batch[0].epoch < self.last_epoch:
+            written = [item for item in iter_trace(self.path) if isinstance(item, Rollout)]
+            write_trace(self.path, self.header, written + batch)
+        elif batch:
+            lines = "".join(json.dumps(r.to_json(), separators=(",", ":"), allow_nan=False) + "\n" for r in batch)
+            data = lines.encode("utf-8")
+            with open(self.path, "ab") as handle:
+                handle.write(gzip.compress(data, compresslevel=6, mtime=0) if self.path.endswith(".gz") else data)
+                handle.flush()
+                os.fsync(handle.fileno())
+        self.count += len(batch)
+        if batch:
+            self.last_epoch = max(self.last_epoch, batch[-1].epoch)
+        self.pending.clear()

@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-from ngramrl.core.trace import Rollout, read_trace
+from ngramrl.core.trace import Rollout, iter_trace, whole_length
 from ngramrl.paths import OutputPaths, inside
 from ngramrl.pipeline.config import ConfigError, TrainConfig
 from ngramrl.pipeline.pool import check_snapshots
@@ -45,7 +45,9 @@ class EarlierRun:
 
     next_step: int = 0                                           # the first step number of this run
     next_epoch: dict[str, int] = field(default_factory=dict)    # per prompt: its next epoch
-    rollouts: list[Rollout] = field(default_factory=list)       # the trace so far
+    rollout_count: int = 0                                       # rollouts in its trace
+    last_epoch: int = -1                                         # the last epoch its trace holds
+    trace_whole_bytes: int | None = None                         # its trace's whole part (None: no trace)
     records: list[dict[str, Any]] = field(default_factory=list)  # summary.json so far
     pool_dir: str | None = None                                  # its drafter pool snapshots
     resumes: int = 0                                             # earlier resumptions of it
@@ -93,8 +95,14 @@ def read_earlier_run(path: str) -> EarlierRun:
     earlier = EarlierRun()
     trace_path = os.path.join(path, TRACE_FILE)
     if os.path.exists(trace_path):
-        earlier.rollouts = read_trace(trace_path).rollouts
-        for rollout in earlier.rollouts:
+        # read as it streams (a long run's trace is gigabytes), and only its whole part: a run
+        # stopped in an append leaves a torn tail, which the resumed run's writer cuts off
+        earlier.trace_whole_bytes = whole_length(trace_path)
+        for rollout in iter_trace(trace_path, earlier.trace_whole_bytes):
+            if not isinstance(rollout, Rollout):
+                continue
+            earlier.rollout_count += 1
+            earlier.last_epoch = max(earlier.last_epoch, rollout.epoch)
             earlier.next_epoch[rollout.prompt_id] = max(earlier.next_epoch.get(rollout.prompt_id, 0),
                                                         rollout.epoch + 1)
             if rollout.policy_version is not None:

@@ -1,5 +1,6 @@
 import gzip
 import json
+import os
 import zlib
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from ngramrl.core.trace import Rollout, TraceError, TraceHeader, model_vocab_size, read_trace, write_trace
 
 HEADER = {"ngramrl_trace": 1, "vocab_size": 100, "eos_token_ids": [2], "workload": "toy"}
+TRACE_HEADER = TraceHeader(vocab_size=100, eos_token_ids=[2], workload="toy")
 
 
 def write_lines(path, lines):
@@ -132,3 +134,58 @@ def test_the_vocabulary_covers_the_models_padded_embedding_table(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 262208}}))
     assert model_vocab_size(str(tmp_path), 262145) == 262208
     assert model_vocab_size(str(tmp_path / "missing"), 100) == 100
+
+
+@pytest.mark.parametrize("name", ["run.jsonl.gz", "run.jsonl"])
+def test_a_growing_trace_appends_each_flush_and_costs_what_it_adds(tmp_path, name, monkeypatch):
+    """Each flush appends its rollouts (a gzip member for .gz) instead of writing the trace again:
+    the bytes a flush writes do not grow with the trace. A flush whose epoch goes back rewrites the
+    file sorted, so the trace keeps the format's order."""
+    import ngramrl.core.trace as trace_module
+
+    path = str(tmp_path / name)
+    writer = trace_module.TraceWriter(path, TRACE_HEADER)
+    rewrites = []
+    real_write = trace_module.write_trace
+    monkeypatch.setattr(trace_module, "write_trace", lambda *a: rewrites.append(a[0]) or real_write(*a))
+    sizes = []
+    for epoch in range(4):
+        for sample in range(3):
+            writer.add(Rollout(f"p{epoch % 2}", epoch, sample, [1, 2], [3, 4, 5, epoch]))
+        writer.flush()
+        sizes.append(os.path.getsize(path))
+        assert [(r.epoch, r.sample) for r in read_trace(path).rollouts] == [
+            (e, s) for e in range(epoch + 1) for s in range(3)]
+    assert rewrites == [path]  # the first flush writes the file; the others append
+    grown = [b - a for a, b in zip(sizes, sizes[1:], strict=False)]
+    assert max(grown) - min(grown) <= 8  # each epoch adds about the same bytes
+    writer.add(Rollout("p9", 1, 0, [1, 2], [7]))  # epoch 1 after epoch 3 was written
+    writer.flush()
+    assert rewrites == [path, path] and writer.count == 13
+    assert [r.epoch for r in read_trace(path).rollouts] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+
+
+@pytest.mark.parametrize("name", ["run.jsonl.gz", "run.jsonl"])
+def test_an_append_cut_short_is_cut_off_and_the_trace_goes_on(tmp_path, name):
+    """A writer stopped in an append leaves a torn tail: the whole part reads, and a writer that
+    continues the trace drops the tail and appends after the whole part."""
+    from ngramrl.core.trace import TraceWriter, iter_trace, whole_length
+
+    path = str(tmp_path / name)
+    writer = TraceWriter(path, TRACE_HEADER)
+    writer.add(Rollout("p", 0, 0, [1], [2, 3]))
+    writer.flush()
+    writer.add(Rollout("p", 1, 0, [1], [4, 5]))
+    writer.flush()
+    whole = os.path.getsize(path)
+    with open(path, "ab") as handle:  # the next append, cut short
+        line = json.dumps(Rollout("p", 2, 0, [1], [6]).to_json()).encode() + b"\n"
+        handle.write((gzip.compress(line) if name.endswith(".gz") else line)[:-5])
+    with pytest.raises(TraceError):
+        read_trace(path)
+    assert whole_length(path) == whole
+    assert [r.epoch for r in iter_trace(path, whole) if isinstance(r, Rollout)] == [0, 1]
+    going_on = TraceWriter(path, TRACE_HEADER, continue_at=whole, count=2, last_epoch=1)
+    going_on.add(Rollout("p", 2, 0, [1], [6, 7]))
+    going_on.flush()
+    assert [r.output for r in read_trace(path).rollouts] == [[2, 3], [4, 5], [6, 7]]

@@ -49,7 +49,8 @@ def test_overwrite_deletes_the_earlier_runs_files_only(tmp_path):
     earlier = overwrite.prepare()
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     assert overwrite.config_file() == str(out / "config.json")
-    assert earlier.next_step == 0 and earlier.next_epoch == {} and earlier.rollouts == []
+    assert earlier.next_step == 0 and earlier.next_epoch == {} and earlier.rollout_count == 0
+    assert earlier.trace_whole_bytes is None
 
 
 def test_overwrite_refuses_a_model_among_what_it_would_delete(tmp_path):
@@ -71,7 +72,8 @@ def test_resume_continues_steps_and_each_prompts_epochs(tmp_path):
     earlier = resumed.prepare()
     assert earlier.next_step == 3
     assert earlier.next_epoch == {"a": 2, "b": 1}
-    assert len(earlier.rollouts) == 6 and len(earlier.records) == 3
+    assert earlier.rollout_count == 6 and earlier.last_epoch == 1 and len(earlier.records) == 3
+    assert earlier.trace_whole_bytes == (out / "rollouts.jsonl.gz").stat().st_size
     assert earlier.pool_dir == str(out / "pool")
     assert earlier.policy_dir == str(out / "policy") and earlier.policy_steps == 3
     assert resumed.config_file() == str(out / "config-resume-1.json")
@@ -150,3 +152,18 @@ def test_a_model_that_does_not_load_costs_an_overwritten_run_nothing(tmp_path, m
         train(config)
     assert sorted(p.name for p in out.iterdir()) == before
     assert (out / "config.json").read_text() == "{}"
+
+
+def test_a_trace_torn_in_an_append_resumes_from_its_whole_part(tmp_path):
+    """A run stopped while it appended a step's rollouts leaves half a gzip member: the resumed
+    run reads the whole part (its steps and epochs) and its writer appends after it."""
+    import gzip
+
+    out = earlier_run(tmp_path / "run")
+    trace = out / "rollouts.jsonl.gz"
+    whole = trace.stat().st_size
+    with open(trace, "ab") as handle:
+        handle.write(gzip.compress(b'{"prompt_id": "b", "epoch": 1, "sample": 0, "prompt": [3], "output": [6]}\n')[:20])
+    earlier = plan(out, "run.if_exists=resume").prepare()
+    assert earlier.rollout_count == 6 and earlier.trace_whole_bytes == whole
+    assert earlier.next_epoch == {"a": 2, "b": 1}
