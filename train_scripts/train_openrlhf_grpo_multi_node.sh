@@ -9,10 +9,11 @@ cd "$(dirname "$0")/.."
 # shellcheck source=/dev/null
 source ray_configs/cluster.env
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH  # the cluster refuses requests without its token
-MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct}
+MODEL=${MODEL:-OpenRLHF/Llama-3-8b-sft-mixture}
 DATA=${DATA:-OpenRLHF/prompt-collection-v0.1}
-REWARD=${REWARD:-OpenRLHF/Llama-3-8b-rm-700k}   # a reward model; or pass --reward.remote_url / --train.agent_func_path
-SAVE=${SAVE:-/shared/checkpoint/qwen2.5-7b-grpo-ngramrl}   # a directory every node can write
+REWARD=${REWARD:-OpenRLHF/Llama-3-8b-rm-700k}   # of the policy's tokenizer (it scores the policy's token ids);
+                                               # or pass --reward.remote_url / --train.agent_func_path
+SAVE=${SAVE:-/shared/checkpoint/llama3-8b-grpo-ngramrl}   # a directory every node can write
 
 exec ray job submit --address "http://$DASHBOARD_HOST:$DASHBOARD_PORT" \
   --runtime-env ray_configs/runtime_env.yaml \
@@ -24,9 +25,9 @@ exec ray job submit --address "http://$DASHBOARD_HOST:$DASHBOARD_PORT" \
   --vllm.num_engines 32 --vllm.tensor_parallel_size 1 --vllm.gpu_memory_utilization 0.6 \
   --train.colocate_all --vllm.enable_sleep --ds.enable_sleep \
   --algo.advantage.estimator group_norm --rollout.n_samples_per_prompt 8 \
-  --rollout.batch_size 512 --train.batch_size 4096 --rollout.max_new_tokens 2048 \
+  --rollout.batch_size 512 --train.batch_size 4096 --rollout.max_new_tokens 2048 --data.max_len 4096 \
   --ds.zero_stage 3 --ds.param_dtype bf16 --actor.gradient_checkpointing_enable \
   --ckpt.output_dir "$SAVE" \
-  --logger.wandb.project ngramrl-openrlhf \
+  --logger.wandb.project ngramrl-openrlhf ${WANDB_API_KEY:+--logger.wandb.key "$WANDB_API_KEY"} \
   --ngramrl.num_speculative_tokens 16 --ngramrl.shards 32 --ngramrl.prefetch_budget 16 \
   --ngramrl.save_dir "$SAVE/ngramrl_pool" "$@"

@@ -7,11 +7,12 @@ cd "$(dirname "$0")/.."
 # shellcheck source=/dev/null
 source ray_configs/cluster.env
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH  # the cluster refuses requests without its token
-MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct}
+MODEL=${MODEL:-OpenRLHF/Llama-3-8b-sft-mixture}
 DATA=${DATA:-OpenRLHF/prompt-collection-v0.1}
-REWARD=${REWARD:-OpenRLHF/Llama-3-8b-rm-700k}   # a reward model; or pass --reward.remote_url / --train.agent_func_path
+REWARD=${REWARD:-OpenRLHF/Llama-3-8b-rm-700k}   # of the policy's tokenizer (it scores the policy's token ids);
+                                               # or pass --reward.remote_url / --train.agent_func_path
 # absolute: the job runs in Ray's copy of this directory, which Ray deletes
-SAVE=${SAVE:-$PWD/checkpoint/qwen2.5-7b-grpo-ngramrl}
+SAVE=${SAVE:-$PWD/checkpoint/llama3-8b-grpo-ngramrl}
 
 exec ray job submit --address "http://$DASHBOARD_HOST:$DASHBOARD_PORT" \
   --runtime-env ray_configs/runtime_env.yaml \
@@ -26,6 +27,6 @@ exec ray job submit --address "http://$DASHBOARD_HOST:$DASHBOARD_PORT" \
   --rollout.batch_size 128 --train.batch_size 1024 --rollout.max_new_tokens 1024 \
   --ds.zero_stage 3 --ds.param_dtype bf16 --actor.gradient_checkpointing_enable \
   --ckpt.output_dir "$SAVE" \
-  --logger.wandb.project ngramrl-openrlhf \
+  --logger.wandb.project ngramrl-openrlhf ${WANDB_API_KEY:+--logger.wandb.key "$WANDB_API_KEY"} \
   --ngramrl.num_speculative_tokens 16 --ngramrl.shards 8 --ngramrl.prefetch_budget 16 \
   --ngramrl.save_dir "$SAVE/ngramrl_pool" "$@"

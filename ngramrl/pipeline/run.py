@@ -20,10 +20,10 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter, model_vocab_size
+from ngramrl.core.trace import Rollout, TraceHeader, TraceWriter, model_vocab_size, read_trace
 from ngramrl.data.models import resolve_model
 from ngramrl.engine.rollouts import PromptSpec
 from ngramrl.pipeline.config import ConfigError, TrainConfig, load_reward
@@ -91,10 +91,14 @@ class TrainResult:
     steps: list[StepRecord]
     trace_path: str
     output_dir: str
-    rollouts: list[Rollout] = field(default_factory=list)
     wandb_dir: str | None = None
     report_path: str | None = None  # report.png: reward, tokens per forward, rollout time, the trace's replay
     policy_path: str | None = None  # the trained policy (HF format)
+
+    @property
+    def rollouts(self) -> list[Rollout]:
+        """The run's rollouts, read from its trace (a long run's do not stay in memory)."""
+        return read_trace(self.trace_path).rollouts
 
     def summary(self) -> str:
         head = (f"{'step':>4} {'reward':>7} {'loss':>8} {'tok/fwd':>7} {'offered':>7} {'accept':>6} {'cover':>6} "
@@ -121,6 +125,13 @@ def _threads_env(threads: int) -> dict[str, Any]:
     rollout and training phases, which alternate, use the cores they are given."""
     count = threads or os.cpu_count() or 1
     return {"env_vars": {"OMP_NUM_THREADS": str(count), "MKL_NUM_THREADS": str(count)}}
+
+
+def driver_runtime_env() -> dict[str, Any]:
+    """What ``train`` passes to ``ray.init`` for its actors. A Ray job's own runtime environment
+    (ray_configs/runtime_env.yaml) may set none of these variables: Ray refuses the job if it does."""
+    return {"env_vars": {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                         "TOKENIZERS_PARALLELISM": "false"}}
 
 
 def _prompt_specs(config: TrainConfig, model_dir: str) -> tuple[list[PromptSpec], dict[str, Any]]:
@@ -197,8 +208,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             # Ray's CPU counts are scheduling tokens: ask for enough that every actor fits on a small machine.
             kwargs["num_cpus"] = config.ray.num_cpus or max(int(needed + 0.999), os.cpu_count() or 1)
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster: no token needed
-        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), "TOKENIZERS_PARALLELISM": "false"}
-        ray.init(runtime_env={"env_vars": env}, **kwargs)
+        ray.init(runtime_env=driver_runtime_env(), **kwargs)
         started_ray = True
     tracker = Tracker(config.tracking, config.to_dict(), output_dir, append=plan.mode == "resume")
     pool = None
@@ -253,8 +263,8 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             vocab_size=model_vocab_size(model_dir, len(tokenizer)), eos_token_ids=eos,
             model=os.path.basename(os.path.normpath(model_dir)),
             workload=config.workload.name, temperature=rollout.temperature, top_p=rollout.top_p,
-            max_tokens=rollout.max_tokens, extra={"ngramrl_run": os.path.basename(output_dir), "dtype": engine_dtype}))
-        trace.rollouts.extend(earlier.rollouts)
+            max_tokens=rollout.max_tokens, extra={"ngramrl_run": os.path.basename(output_dir), "dtype": engine_dtype}),
+            continue_at=earlier.trace_whole_bytes, count=earlier.rollout_count, last_epoch=earlier.last_epoch)
         visits: dict[str, int] = dict(earlier.next_epoch)  # a prompt's next epoch
         progress = _progress(run.steps, config.tracking.progress)
         progress.write(f"rollout engines run in {engine_dtype} (model.rollout_dtype: {config.model.rollout_dtype})")
@@ -332,7 +342,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         progress.close()
         if saved_steps != trained_steps:
             _save_policy(ray, trainers, tokenizer, output_dir, trained_steps, limit)
-        result = TrainResult(records, trace.path, output_dir, trace.rollouts, tracker.directory,
+        result = TrainResult(records, trace.path, output_dir, tracker.directory,
                              policy_path=os.path.join(output_dir, POLICY_DIR))
         result.report_path, summary = write_report(output_dir, earlier.records + [asdict(r) for r in records],
                                                    trace.path, rollout.num_speculative_tokens, config.ngramrl.history)
@@ -432,7 +442,7 @@ def _save_interrupted(output_dir: str, step: int, before: list[dict[str, Any]], 
     _write_summary(output_dir, before, records)
     if trace is not None:
         trace.flush()
-        saved.append(f"{TRACE_FILE} ({len(trace.rollouts)} rollouts)")
+        saved.append(f"{TRACE_FILE} ({trace.count} rollouts)")
     if pool is not None:
         failed = [str(index) for index, path in enumerate(pool.save(timeout_s=30)) if path is None]
         saved.append(f"{POOL_DIR}/ (the drafter pool" + (f"; shards {', '.join(failed)} could not save now"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from ngramrl.config import EngineConfig
 
@@ -178,10 +179,17 @@ def test_launch_scripts_pass_openrlhfs_checks_and_fit_their_cluster(script, clus
                           ("ppo_actor", ("PolicyModelActor",)), ("ppo_critic", ("CriticModelActor",))):
         monkeypatch.setitem(sys.modules, f"openrlhf.trainer.ray.{module}",
                             types.SimpleNamespace(**dict.fromkeys(names)))
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    driver_envs = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda runtime_env=None, **_: driver_envs.append(runtime_env or {}))
     monkeypatch.setattr(sys, "argv", ["openrlhf.cli.train_ppo_ray", *openrlhf_args])
     with pytest.raises(Parsed) as parsed:
         runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")
+    # Ray refuses a job whose runtime environment sets a variable its driver's ray.init sets too
+    from ray.runtime_env.runtime_env import _merge_runtime_env
+
+    job_env = yaml.safe_load(open(os.path.join(root, job[job.index("--runtime-env") + 1])))
+    assert driver_envs and all(_merge_runtime_env(job_env, env) is not None for env in driver_envs), job_env
     args = parsed.value.args[0]
     assert args.reward.model_name_or_path or args.reward.remote_url or args.train.agent_func_path
     actor = args.actor.num_nodes * args.actor.num_gpus_per_node

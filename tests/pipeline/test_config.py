@@ -22,12 +22,26 @@ def test_shipped_configs_load(path):
     assert config.rollout.samples_per_prompt >= 2
 
 
+def test_the_job_runtime_env_leaves_the_drivers_variables_to_it():
+    """ray job submit --runtime-env ray_configs/runtime_env.yaml, then the driver's ray.init with its
+    own env_vars: Ray refuses the job if both set a variable (even to the same value)."""
+    import yaml
+
+    pytest.importorskip("ray")
+    from ray.runtime_env.runtime_env import _merge_runtime_env
+
+    from ngramrl.pipeline.run import driver_runtime_env
+
+    job = yaml.safe_load(open(os.path.join(ROOT, "ray_configs", "runtime_env.yaml")))
+    assert _merge_runtime_env(job, driver_runtime_env()) is not None
+
+
 def test_job_runtime_env_is_valid_yaml():
     import yaml
 
     with open(os.path.join(ROOT, "ray_configs", "runtime_env.yaml")) as handle:
         env = yaml.safe_load(handle)
-    assert env["working_dir"] == "." and all(isinstance(v, str) for v in env["env_vars"].values())
+    assert env["working_dir"] == "." and ".venv" in env["excludes"]
     assert len(TRAIN_CONFIGS) == 3
 
 
