@@ -209,6 +209,9 @@ class NgramRLMethod:
             self.calibration.observe_verified(draft, tokens)
         if not self.tally.budgets:
             return
+        if draft is None:  # the prefill's token: no draft was verified with it, no outcome predicted
+            self._ceiling.extend(tokens)
+            return
         if remaining > 0 and self._states is not None and self._states[1] and self.request is not None:
             begin = time.perf_counter_ns()
             self._time_designs(tokens)

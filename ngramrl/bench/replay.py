@@ -31,6 +31,8 @@ class ReplayResult:
     tokens: int = 0
     forwards: int = 0
     accepted_hist: list[int] = field(default_factory=list)  # accepted draft tokens -> steps
+    drafted: int = 0  # draft tokens sent to verification (a chain's first k, a tree's nodes)
+    accepted: int = 0  # of them, accepted
     step_ns: list[int] = field(default_factory=list)      # per step: the critical path (propose, commit)
     cpu_ns: list[int] = field(default_factory=list)       # per step: all the method's work (and its background)
     coverage: dict | None = None
@@ -40,6 +42,17 @@ class ReplayResult:
     @property
     def tokens_per_forward(self) -> float:
         return self.tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def drafted_per_forward(self) -> float:
+        """Draft tokens a forward verified, on average: tokens per forward says what they brought,
+        this what they cost (a GPU verifies them nearly free at small batches, not at large ones)."""
+        return self.drafted / self.forwards if self.forwards else 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted over drafted tokens."""
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def draft_us_per_step(self) -> float | None:
@@ -63,6 +76,8 @@ class ReplayResult:
             "tokens": self.tokens,
             "forwards": self.forwards,
             "tokens_per_forward": round(self.tokens_per_forward, 4),
+            "drafted_per_forward": round(self.drafted_per_forward, 4),
+            "acceptance": None if self.acceptance is None else round(self.acceptance, 4),
             "coverage": self.coverage,
             "draft_us_per_step": None if self.draft_us_per_step is None else round(self.draft_us_per_step, 3),
             "critical_us_per_step": None if self.critical_us_per_step is None else round(self.critical_us_per_step, 3),
@@ -110,8 +125,21 @@ def replay(
                 method.start(rollout)
                 output = rollout.output
                 position = 0
-                while position < len(output):
+                carried = 0  # the first token's commit: in the proposer's first call, with its first draft
+                if output:
+                    # The prefill's forward samples the first token and verifies no draft: an
+                    # engine drafts from a sampled token on (vLLM calls its proposer after it).
                     begin = clock()
+                    method.commit(output[:1])
+                    carried = clock() - begin
+                    if on_step is not None:
+                        on_step([], 0, rollout, 0)
+                    position = 1
+                    result.forwards += 1
+                    result.accepted_hist[0] += 1
+                while position < len(output):
+                    begin = clock() - carried
+                    carried = 0
                     draft = method.propose(k)
                     proposed = clock()
                     measuring = getattr(method, "measuring_ns", 0)
@@ -119,6 +147,8 @@ def replay(
                     result.step_ns.append(proposed - begin)
                     result.cpu_ns.append(clock() - begin - (getattr(method, "measuring_ns", 0) - measuring))
                     accepted = accepted_length(draft, output[position:], k)
+                    result.drafted += len(draft) if isinstance(draft, DraftTree) else min(len(draft), k)
+                    result.accepted += accepted
                     committed = output[position:position + accepted + 1]
                     if on_step is not None:
                         on_step(draft, accepted, rollout, position)

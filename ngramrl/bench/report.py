@@ -23,7 +23,8 @@ def _by(results: list[ReplayResult], method: str, trace: str, k: int) -> ReplayR
 def format_table(results: list[ReplayResult]) -> str:
     """One row per (trace, k, method) with ratios to SuffixDecoding and to the oracle ceiling."""
     header = f"{'workload':<16} {'trace':<34} {'k':>3} {'method':<13} {'tok/fwd':>8} {'x suffix':>8} {'x pld':>7} " \
-             f"{'% oracle':>8} {'% p-orcl':>8} {'coverage':>11} {'cpu us':>7} {'crit us':>7}"
+             f"{'% oracle':>8} {'% p-orcl':>8} {'drafted':>7} {'accept':>6} {'coverage':>11} {'cpu us':>7} " \
+             f"{'crit us':>7}"
     lines = [header, "-" * len(header)]
     for r in results:
         suffix = _by(results, "suffix", r.trace, r.k)
@@ -43,6 +44,8 @@ def format_table(results: list[ReplayResult]) -> str:
         lines.append(
             f"{r.workload:<16} {os.path.basename(r.trace)[:34]:<34} {r.k:>3} {r.method:<13} "
             f"{r.tokens_per_forward:>8.3f} {vs_suffix:>8} {vs_pld:>7} {of_oracle:>8} {of_prompt_oracle:>8} "
+            f"{f'{r.drafted_per_forward:.2f}' if timed else '-':>7} "
+            f"{f'{r.acceptance:.2f}' if timed and r.acceptance is not None else '-':>6} "
             f"{coverage:>11} {cpu_us:>7} {critical_us:>7}"
         )
     for r in results:
@@ -65,7 +68,8 @@ def format_table(results: list[ReplayResult]) -> str:
                     f"{ms['spent_us_per_step']:.1f} us/step, hides {ms['hidden_per_spent'] or 0:.2f} us per us")
     lines.append("x suffix, x pld: tokens per forward over that method's. % oracle: over the ceiling's (best run "
                  "after a one-token match anywhere in the allowed history); % p-orcl: over the same, limited to the "
-                 "same prompt's earlier rollouts.")
+                 "same prompt's earlier rollouts. drafted: draft tokens verified per forward (what the gain costs "
+                 "the target); accept: accepted / drafted.")
     return "\n".join(lines)
 
 

@@ -9,8 +9,9 @@ equal to the recorded tokens, plus one token). Nothing from earlier epochs or ot
 - ``ngramrl``: the prompt's index holds the prompt and every sibling's committed tokens (the
   engine's live sequences): a sibling's tokens of one step are visible from the next step on, and
   a finished sibling stays visible.
-- ``suffix``: SuffixDecoding as vLLM runs it: each request's own tree over its prompt and output,
-  and the tree of finished responses: a sibling becomes visible once it has finished.
+- ``suffix``: SuffixDecoding as vLLM runs it: each request's own tree over its prompt, and the
+  shared tree of responses, which takes a running sibling's tokens as it commits them (the calls
+  vLLM makes) and keeps a finished one's.
 - ``pld``: prompt lookup, the request's own context only. ``none``: no drafts.
 """
 
@@ -125,7 +126,7 @@ class SuffixSiblings(NoSiblingDrafts):
 
     def finish(self, sample: int) -> None:
         request_id = self.ids.pop(sample)
-        self.cache.stop_request(request_id)  # its response is cached: visible to the siblings still running
+        self.cache.stop_request(request_id)  # its response stays cached: visible to the siblings still running
         self.finished.append(request_id)
         del self.contexts[sample]
 
@@ -180,10 +181,14 @@ def replay_siblings(trace: Trace, method: SiblingMethod, k: int, trace_name: str
         live = {r.sample: r for r in group}
         while live:
             begin = clock()
-            drafts = {sample: method.propose(sample, k) for sample in live}
+            # a first step is the prefill's forward: it samples the first token and verifies no
+            # draft (an engine drafts from a sampled token on, as in replay)
+            drafts = {sample: method.propose(sample, k) if position[sample] else [] for sample in live}
             for sample, rollout in list(live.items()):
                 at = position[sample]
                 accepted = accepted_prefix(drafts[sample][:k], rollout.output[at:])
+                result.drafted += min(len(drafts[sample]), k)
+                result.accepted += accepted
                 committed = rollout.output[at:at + accepted + 1]
                 method.commit(sample, committed)
                 position[sample] = at + len(committed)

@@ -119,20 +119,23 @@ def test_knowing_j_covers_at_least_what_the_outcome_model_covers():
 
 
 def test_tree_method_accepts_along_a_branch_the_chain_leaves_out():
-    """Two earlier rollouts went one way and one the other; the replayed one takes the rarer way:
-    the chain drafts the frequent way and loses the step, a tree of two paths keeps both."""
+    """Two earlier rollouts went one way and one the other after their first token; the replayed
+    one takes the rarer way: the chain drafts the frequent way and loses the step, a tree of two
+    paths keeps both."""
     from ngramrl.bench.methods import NgramRLTreeMethod
 
     prompt = [1, 5, 6]
-    frequent, rare = [10, 11, 12, 13, 14, 2], [20, 21, 22, 23, 24, 2]
+    frequent, rare = [9, 10, 11, 12, 13, 14, 2], [9, 20, 21, 22, 23, 24, 2]
     rollouts = [Rollout("a", 0, s, prompt, out) for s, out in enumerate([frequent, frequent, rare])]
     rollouts.append(Rollout("a", 1, 0, prompt, rare))
     trace = toy_trace(rollouts)
     chain = replay(trace, make_method("ngramrl"), 16)
     accepted = []
     tree = replay(trace, NgramRLTreeMethod(width=2), 16, on_step=lambda d, a, r, p: accepted.append(a))
-    assert chain.forwards > tree.forwards == 1  # the whole output is one root path of the tree
-    assert accepted == [len(rare)]
+    # the prefill's forward samples 9 (no draft is verified with it); then the rest is one root
+    # path of the tree
+    assert chain.forwards > tree.forwards == 2
+    assert accepted == [0, len(rare) - 1]
     single = replay(trace, NgramRLTreeMethod(width=1), 16)
     assert single.forwards == chain.forwards  # a tree of one path is the chain
 
@@ -192,3 +195,24 @@ def test_tree_method_learns_acceptance_from_every_child_verification_reached():
     method.drafter.lookup_tree = lambda *args, **kwargs: grown.append(kwargs.get("chance")) or tree
     method.propose(16)
     assert grown == [method.calibration.chance]
+
+
+@pytest.mark.parametrize("name", [n for n in METHOD_NAMES if n != "suffix"] + ["suffix"])
+def test_the_first_token_comes_from_the_prefill_without_a_draft(name):
+    """An engine samples a request's first token in its prefill's forward and drafts from a
+    sampled token on (vLLM calls its proposer after that forward): even a rollout that repeats an
+    earlier one word for word, which ngramrl could draft from its prompt, takes one forward for
+    its first token."""
+    if name == "suffix":
+        pytest.importorskip("arctic_inference")
+    prompt, output = [1, 5, 6], [10, 11, 12, 13, 14, 2]
+    trace = toy_trace([Rollout("a", 0, 0, prompt, output), Rollout("a", 1, 0, prompt, output)])
+    steps = []
+    result = replay(trace, make_method(name), 16, on_step=lambda d, a, r, p: steps.append((p, d, a)))
+    assert steps[0] == (0, [], 0)
+    assert result.forwards >= 2 and result.accepted_hist[0] >= 1
+    if name in ("ngramrl", "ngramrl-tree", "oracle", "oracle-prompt"):
+        assert result.forwards == 2  # the rest, drafted from the earlier rollout, in one forward
+        assert result.drafted == 5 and result.acceptance == 1.0 and result.drafted_per_forward == 2.5
+    if name == "none":
+        assert result.drafted == 0 and result.acceptance is None

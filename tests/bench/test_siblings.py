@@ -46,10 +46,24 @@ def test_nothing_crosses_from_one_prompt_epoch_to_another(name):
     assert combined.forwards == 3 * 40
 
 
-def test_suffix_sees_a_sibling_once_it_has_finished():
+def test_suffix_drafts_from_a_running_sibling_and_more_once_it_has_finished():
     pytest.importorskip("arctic_inference")
     shared = list(range(300, 360))
     ahead = toy_trace(group("a", 0, [1, 5, 6], [shared[:40], list(range(900, 910)) + shared]))
     result = replay_siblings(ahead, make_sibling_method("suffix"), 8)
-    # the second drafts from the first's response once it has finished (step 40), not before
+    # the second drafts the first's tokens as far as the first has gone (it leads by ten), then
+    # all of them once it has finished (step 40): some help before, more after
     assert 40 + 40 < result.forwards < 40 + 70
+
+
+@pytest.mark.parametrize("name", SIBLING_METHODS)
+def test_every_samples_first_token_comes_from_the_prefill(name):
+    """The first step verifies no draft for any sample (their first tokens come from the prefill)."""
+    if name == "suffix":
+        pytest.importorskip("arctic_inference")
+    from ngramrl.core.trace import Rollout as R
+
+    earlier = [R("b", 0, 0, [1, 5, 6], [10, 11, 12, 2])]  # another prompt's rollout, seen before
+    trace = toy_trace(earlier + group("a", 1, [1, 5, 6], [[10, 11, 12, 2], [10, 11, 12, 2]]))
+    result = replay_siblings(trace, make_sibling_method(name), 8)
+    assert result.accepted_hist[0] >= 3 and result.forwards >= 2 + 1 + 2
