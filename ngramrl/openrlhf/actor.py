@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import copy
 import hashlib
@@ -16,12 +17,13 @@ from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 from ngramrl.engine.worker_extension import NgramRLWorkerExtension
 from ngramrl.pipeline.feed import ShardFeed
 from ngramrl.pipeline.metrics import counters, delta, draft_rates
-from ngramrl.pipeline.pool import PoolSettings
+from ngramrl.pipeline.pool import PoolSettings, shard_of
 from ngramrl.pipeline.pool_proposer import POOL_ENV
 
 # The class OpenRLHF decorated with @ray.remote.
 _OpenRLHFRolloutActor = vllm_engine.RolloutRayActor.__ray_metadata__.modified_class.__mro__[1]
 _prompt = contextvars.ContextVar("ngramrl_prompt", default=None)
+EPOCH_TIMEOUT_S = 5.0  # a shard answers a visit in about a millisecond; one that hangs must not hold generation
 logger = logging.getLogger("ngramrl")
 
 
@@ -39,6 +41,8 @@ class NgramRLRolloutActor(_OpenRLHFRolloutActor):
     async def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._ngramrl_epochs: dict[str, int] = {}
         self._ngramrl_last: dict[str, float] = {}
+        self._ngramrl_rates: dict[str, float] | None = None  # the last report's, over a window with steps
+        self._ngramrl_visits_fail = False
         settings = os.environ.get(POOL_ENV)
         self._ngramrl_feed: ShardFeed | None = None
         if settings:
@@ -50,8 +54,7 @@ class NgramRLRolloutActor(_OpenRLHFRolloutActor):
     async def generate_responses(self, prompt: Any, label: Any, sampling_params: Any, max_length: int,
                                  hf_tokenizer: Any, num_samples: int = 1, images: Any = None) -> list[dict]:
         prompt_id = prompt_id_for(prompt, label)
-        epoch = self._ngramrl_epochs.get(prompt_id, 0)
-        self._ngramrl_epochs[prompt_id] = epoch + 1
+        epoch = await self._ngramrl_epoch(prompt_id)
         token = _prompt.set((prompt_id, epoch))  # read by generate() in every sample's task
         try:
             responses = await super().generate_responses(prompt, label, sampling_params, max_length, hf_tokenizer,
@@ -77,6 +80,25 @@ class NgramRLRolloutActor(_OpenRLHFRolloutActor):
                 logger.exception("ngramrl: a rollout did not go to the drafter pool")
         return output
 
+    async def _ngramrl_epoch(self, prompt_id: str) -> int:
+        """This visit's epoch of the prompt: the count of the shard that owns it (every engine's
+        visits), never below this engine's own; this engine's alone while the shard is down."""
+        epoch = self._ngramrl_epochs.get(prompt_id, 0)
+        if self._ngramrl_feed is not None:
+            shards = self._ngramrl_feed.shards
+            handle = shards.get(shard_of(prompt_id, len(shards)))
+            if handle is not None:
+                try:
+                    epoch = max(epoch, await asyncio.wait_for(handle.visit.remote(prompt_id), EPOCH_TIMEOUT_S))
+                    self._ngramrl_visits_fail = False
+                except Exception as err:  # noqa: BLE001 - the pool only serves drafts: generation goes on
+                    if not self._ngramrl_visits_fail:  # once until the pool counts again
+                        logger.warning("ngramrl: the drafter pool did not count a visit of a prompt (%s); this "
+                                       "engine counts its visits meanwhile", err)
+                    self._ngramrl_visits_fail = True
+        self._ngramrl_epochs[prompt_id] = epoch + 1
+        return epoch
+
     async def _ngramrl_metrics(self) -> dict[str, float]:
         """ngramrl's rates over this engine's steps since its last report, for OpenRLHF's logs."""
         try:
@@ -86,7 +108,11 @@ class NgramRLRolloutActor(_OpenRLHFRolloutActor):
         except Exception:  # noqa: BLE001 - metrics must never break generation
             now = counters(None)
         window, self._ngramrl_last = delta(now, self._ngramrl_last), now
-        return draft_rates(window)
+        if window["row_steps"] or self._ngramrl_rates is None:
+            self._ngramrl_rates = draft_rates(window)
+        # else no engine step since the last report (two prompts finished between the same two
+        # steps): its rates again, not an empty window's "1.0 tokens per forward"
+        return self._ngramrl_rates
 
 
 def remote_actor_class() -> Any:

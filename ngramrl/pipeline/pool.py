@@ -159,6 +159,7 @@ class DrafterShard:
         self.core = make_core(self.config.history, self.drafter_config, self.config.prefetch, threads=1)
         self.incarnation = uuid.uuid4().hex
         self.taken: dict[str, int] = {}  # rollouts taken per prompt by this incarnation (restored ones too)
+        self.visits: dict[str, int] = {}  # per prompt: its next epoch (``visit``)
         # Per prompt the token cap let go of (LRU), its taken count then: an engine's copy synced
         # up to that count holds a window this shard no longer has, so it is replaced, not extended.
         self.evicted_at: dict[str, int] = {}
@@ -179,6 +180,7 @@ class DrafterShard:
     def _take(self, rollouts: list[tuple[str, list[int], list[int], int]]) -> int:
         touched = {}
         for prompt_id, prompt, output, epoch in rollouts:
+            self.visits[prompt_id] = max(self.visits.get(prompt_id, 0), epoch + 1)
             self._note_eviction(prompt_id)
             self.core.add_rollout(prompt_id, prompt, output, epoch)
             self.taken[prompt_id] = self.taken.get(prompt_id, 0) + 1
@@ -201,6 +203,14 @@ class DrafterShard:
         if self.journal is not None:  # the snapshot holds everything journaled so far
             self.journal.reset()
         return path
+
+    def visit(self, prompt_id: str) -> int:
+        """The epoch of a new visit of the prompt (its samples generated now), one count for every
+        engine: engines that feed the pool themselves (OpenRLHF's) see a prompt on whichever engine
+        is free, and an engine's own count would lag the prompt's visits."""
+        epoch = self.visits.get(prompt_id, 0)
+        self.visits[prompt_id] = epoch + 1
+        return epoch
 
     def replay_journal(self) -> int:
         """Take the rollouts this shard's journal holds (those since its last save) again."""
@@ -244,6 +254,8 @@ class DrafterShard:
         self._empty()
         self.core.restore(prompts)
         self.taken = {prompt_id: len(rollouts) for prompt_id, _, rollouts in prompts}
+        self.visits = {prompt_id: 1 + max(epoch for epoch, _ in rollouts) for prompt_id, _, rollouts in prompts
+                       if rollouts}
         beside = RolloutJournal(journal_path(path))  # what the shard that saved it took after the save
         if self.journal is None or os.path.abspath(beside.path) != os.path.abspath(self.journal.path):
             self._take(beside.read())

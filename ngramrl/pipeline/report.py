@@ -16,38 +16,66 @@ from __future__ import annotations
 import json
 import logging
 import os
+import zlib
 from typing import Any
 
 from ngramrl.bench.epochs import EpochSeries, format_epochs, replay_by_epoch
 from ngramrl.bench.run import drafter_for
 from ngramrl.config import DrafterConfig, HistoryConfig
-from ngramrl.core.trace import read_trace
+from ngramrl.core.trace import Rollout, Trace, iter_trace
 from ngramrl.pipeline.rundir import REPORT_JSON, REPORT_PNG
 
 logger = logging.getLogger(__name__)
 
 REPLAYED = ("ngramrl", "suffix", "pld")
+# The replay runs at the run's end in its driver (tens of thousands of tokens a second per method):
+# a long GPU run's trace (hundreds of millions of tokens) is replayed for a sample of its prompts,
+# all of each one's epochs, so the report takes a minute or two, not hours.
+REPLAY_TOKENS = 1_000_000
 
 
-def replay_run(trace_path: str, k: int, history: HistoryConfig) -> list[EpochSeries]:
-    """The run's trace through each drafter, epoch by epoch (a method whose package is missing is left out)."""
-    trace = read_trace(trace_path)
+def replayed_trace(trace_path: str, max_tokens: int = REPLAY_TOKENS) -> tuple[Trace, int, int]:
+    """The run's trace, or where its outputs exceed ``max_tokens`` the rollouts of the prompts that
+    fit, chosen by a stable hash of their ids (so every epoch of a chosen prompt is in); read as it
+    streams (the whole trace never sits in memory). Also the prompts kept and all the prompts."""
+    tokens: dict[str, int] = {}
+    for item in iter_trace(trace_path):
+        if isinstance(item, Rollout):
+            tokens[item.prompt_id] = tokens.get(item.prompt_id, 0) + len(item.output)
+    kept, total = set(), 0
+    for prompt_id in sorted(tokens, key=lambda p: (zlib.crc32(p.encode("utf-8")), p)):
+        if kept and total + tokens[prompt_id] > max_tokens:
+            continue
+        kept.add(prompt_id)
+        total += tokens[prompt_id]
+    items = iter(iter_trace(trace_path))
+    header = next(items)
+    rollouts = [item for item in items if isinstance(item, Rollout) and item.prompt_id in kept]
+    return Trace(header, rollouts, trace_path), len(kept), len(tokens)
+
+
+def replay_run(trace_path: str, k: int, history: HistoryConfig,
+               max_tokens: int = REPLAY_TOKENS) -> tuple[list[EpochSeries], int, int]:
+    """The run's trace through each drafter, epoch by epoch (a method whose package is missing is
+    left out); with the prompts replayed and the run's prompts (fewer where the trace is long)."""
+    trace, replayed, prompts = replayed_trace(trace_path, max_tokens)
     if not any(r.epoch >= 1 for r in trace.rollouts):
-        return []
+        return [], replayed, prompts
     series = []
     for name in REPLAYED:
         try:
             series.append(replay_by_epoch(trace, name, k, drafter_for(trace, DrafterConfig()), history))
         except RuntimeError as err:  # e.g. SuffixDecoding's package is not installed
             logger.warning("report: %s left out of the replay (%s)", name, err)
-    return series
+    return series, replayed, prompts
 
 
 def write_report(output_dir: str, steps: list[dict[str, Any]], trace_path: str, k: int,
                  history: HistoryConfig) -> tuple[str, dict[str, Any]]:
     """Write report.png and report.json into ``output_dir``; returns the PNG's path and the summary."""
-    series = replay_run(trace_path, k, history)
-    summary: dict[str, Any] = {"steps": steps, "replay_k": k, "replay": [s.to_json() for s in series]}
+    series, replayed, prompts = replay_run(trace_path, k, history)
+    summary: dict[str, Any] = {"steps": steps, "replay_k": k, "replay": [s.to_json() for s in series],
+                               "replay_prompts": replayed, "run_prompts": prompts}
     overall = {s.method: sum(s.tokens.values()) / max(1, sum(s.forwards.values())) for s in series}
     summary["replay_tokens_per_forward"] = {name: round(value, 4) for name, value in overall.items()}
     for name in ("suffix", "pld"):
@@ -56,14 +84,14 @@ def write_report(output_dir: str, steps: list[dict[str, Any]], trace_path: str, 
     with open(os.path.join(output_dir, REPORT_JSON), "w") as handle:
         json.dump(summary, handle, indent=1)
     path = os.path.join(output_dir, REPORT_PNG)
-    _plot(path, steps, series, k)
+    _plot(path, steps, series, k, "" if replayed == prompts else f", {replayed} of {prompts} prompts")
     table = format_epochs(series)
     if table:
         logger.info("replay of this run's trace, tokens per forward by epoch (k=%d):\n%s", k, table)
     return path, summary
 
 
-def _plot(path: str, steps: list[dict[str, Any]], series: list[EpochSeries], k: int) -> None:
+def _plot(path: str, steps: list[dict[str, Any]], series: list[EpochSeries], k: int, sampled: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,7 +122,8 @@ def _plot(path: str, steps: list[dict[str, Any]], series: list[EpochSeries], k: 
     for s in series:
         tpf = s.tokens_per_forward()
         ax.plot(list(tpf), list(tpf.values()), marker="o", label=s.method)
-    ax.set(title=f"this run's trace replayed (k={k}): tokens per forward", xlabel="epoch (visit of the prompts)",
+    ax.set(title=f"this run's trace replayed (k={k}{sampled}): tokens per forward",
+           xlabel="epoch (visit of the prompts)",
            ylabel="tokens / forward")
     if series:
         ax.legend(fontsize=8)

@@ -344,6 +344,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
             _save_policy(ray, trainers, tokenizer, output_dir, trained_steps, limit)
         result = TrainResult(records, trace.path, output_dir, tracker.directory,
                              policy_path=os.path.join(output_dir, POLICY_DIR))
+        _release(ray, actors)  # the report's replay needs no engine or trainer: their GPUs go back now
         result.report_path, summary = write_report(output_dir, earlier.records + [asdict(r) for r in records],
                                                    trace.path, rollout.num_speculative_tokens, config.ngramrl.history)
         tracker.log_report(result.report_path, summary)
@@ -359,11 +360,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         raise
     finally:
         tracker.finish()
-        for actor in actors:
-            try:
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001
-                pass
+        _release(ray, actors)
         if pool is not None:
             pool.shutdown()
         if started_ray:
@@ -428,6 +425,15 @@ def _checked_scores(scores: list[Any], rollouts: list[Rollout], step: int, rewar
                              f"{rollout.prompt_id!r} in step {step}: a reward must be a finite number")
         checked.append(value)
     return checked
+
+
+def _release(ray: Any, actors: list[Any]) -> None:
+    """Kill the run's engines and trainers (and forget them: a second call does nothing)."""
+    while actors:
+        try:
+            ray.kill(actors.pop())
+        except Exception:  # noqa: BLE001 - an actor already gone
+            pass
 
 
 def _save_interrupted(output_dir: str, step: int, before: list[dict[str, Any]], records: list[StepRecord],

@@ -203,3 +203,73 @@ def test_launch_scripts_pass_openrlhfs_checks_and_fit_their_cluster(script, clus
         reward = 0 if args.reward.remote_url else args.reward.num_nodes * args.reward.num_gpus_per_node
         assert actor + engines + reference + reward <= cluster_gpus
     assert os.path.isabs(args.ckpt.output_dir) and os.path.isabs(options.save_dir)
+
+
+def test_a_report_with_no_engine_step_since_the_last_repeats_its_rates():
+    """Two prompts that finish between the same two engine steps: the second report's window holds
+    no step, and reads as "1.0 tokens per forward, acceptance 0" if taken as it is; it repeats the
+    last report's rates instead."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ngramrl.openrlhf.actor import NgramRLRolloutActor
+
+    stats = {"steps": 10, "row_steps": 40, "committed_tokens": 120, "drafted_tokens": 100}
+
+    async def collective_rpc(name):
+        return [None, dict(stats)]  # only the worker whose drafts vLLM reads answers
+
+    actor = SimpleNamespace(llm=SimpleNamespace(collective_rpc=collective_rpc), _ngramrl_last={},
+                            _ngramrl_rates=None)
+    report = lambda: asyncio.run(NgramRLRolloutActor._ngramrl_metrics(actor))  # noqa: E731
+    first = report()
+    assert first["tokens_per_forward"] == 3.0
+    assert report() == first  # no step since
+    stats.update(steps=12, row_steps=50, committed_tokens=140)
+    assert report()["tokens_per_forward"] == 2.0  # the next window: 20 tokens in 10 forwards
+
+
+def test_a_prompts_epoch_counts_its_visits_on_every_engine():
+    """OpenRLHF sends a prompt to whichever engine is free: the epoch is the owning shard's count of
+    the prompt's visits (every engine's), never below an engine's own; the engine's own count
+    while the shard does not answer."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ngramrl.config import NgramRLConfig
+    from ngramrl.openrlhf.actor import NgramRLRolloutActor
+    from ngramrl.pipeline.pool import DrafterShard
+
+    shard = DrafterShard(0, NgramRLConfig())
+    down = [False]
+
+    def visit(prompt_id):
+        future = asyncio.get_running_loop().create_future()
+        if down[0]:
+            future.set_exception(RuntimeError("the shard's actor died"))
+        else:
+            future.set_result(shard.visit(prompt_id))
+        return future
+
+    class OneShard:  # the feed's shard handles (ShardHandles) for a pool of one shard
+        def __len__(self):
+            return 1
+
+        def get(self, index):
+            return SimpleNamespace(visit=SimpleNamespace(remote=visit))
+
+    feed = SimpleNamespace(shards=OneShard())
+
+    def engine():
+        return SimpleNamespace(_ngramrl_feed=feed, _ngramrl_epochs={}, _ngramrl_visits_fail=False)
+
+    first, second = engine(), engine()
+
+    async def visits(*engines):
+        return [await NgramRLRolloutActor._ngramrl_epoch(e, "p") for e in engines]
+
+    assert asyncio.run(visits(first, second, second, first)) == [0, 1, 2, 3]
+    down[0] = True
+    assert asyncio.run(visits(second)) == [3]  # its own count (it saw epoch 2 last)
+    down[0] = False
+    assert asyncio.run(visits(first)) == [4]   # the shard's count again, not below its own

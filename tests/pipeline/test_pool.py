@@ -42,6 +42,20 @@ def test_a_call_with_a_bad_rollout_takes_and_journals_none_of_it(tmp_path, bad, 
     assert rebuilt.replay_journal() == 1 and rebuilt.core.export() == shard.core.export()
 
 
+def test_a_shard_counts_each_prompts_visits_for_every_engine(tmp_path):
+    """Engines that feed the pool themselves ask the prompt's shard for a visit's epoch: one count
+    for every engine, going on from the epochs of the rollouts it holds, after a restart too."""
+    shard = shard_with_history()  # three rollouts of "p" in epoch 0
+    assert [shard.visit("p") for _ in range(3)] == [1, 2, 3]
+    assert shard.visit("new") == 0
+    shard.add_rollouts([("p", PROMPT, REPEAT, 7)])  # an epoch past the count (an engine's own, while it was down)
+    assert shard.visit("p") == 8
+    path = shard.save(str(tmp_path / "shard-0.json.gz"))
+    restarted = DrafterShard(0, NgramRLConfig(), stop_tokens=(99,))
+    restarted.load(path)
+    assert restarted.visit("p") == 8  # from the rollouts it restored (visits without rollouts are not saved)
+
+
 def test_snapshot_round_trip(tmp_path):
     shard = shard_with_history()
     shard.add_rollouts([("q", [9, 9], [1, 2, 3, 99], 2)])

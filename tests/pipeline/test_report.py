@@ -24,3 +24,26 @@ def test_the_report_replays_the_run_trace_by_epoch(tmp_path):
     assert all(v > 1.0 for v in methods["ngramrl"]["tokens_per_forward"].values())
     assert summary["replay_ngramrl_over_pld"] > 1.0
     assert written["steps"][3]["reward"] == summary["steps"][3]["reward"]
+    assert summary["replay_prompts"] == summary["run_prompts"] == 12  # a short trace: every prompt
+
+
+def test_a_long_runs_trace_is_replayed_for_a_sample_of_its_prompts_with_all_their_epochs():
+    """The replay runs at the run's end: past its token budget it takes the prompts that fit (by a
+    stable hash of their ids), each with every epoch, and says how many."""
+    from ngramrl.core.trace import read_trace
+    from ngramrl.pipeline.report import replayed_trace
+
+    path = next(t for t in builtin_traces() if "bfcl" in t and "0.6" in t)
+    whole = read_trace(path)
+    per_prompt = {}
+    for r in whole.rollouts:
+        per_prompt[r.prompt_id] = per_prompt.get(r.prompt_id, 0) + len(r.output)
+    budget = sum(sorted(per_prompt.values())[:4])
+    sampled, kept, total = replayed_trace(path, budget)
+    assert total == len(per_prompt) and 1 <= kept < total
+    ids = {r.prompt_id for r in sampled.rollouts}
+    assert len(ids) == kept and sum(per_prompt[p] for p in ids) <= budget
+    for prompt_id in ids:  # every epoch and sample of a kept prompt
+        assert [r for r in sampled.rollouts if r.prompt_id == prompt_id] == [
+            r for r in whole.rollouts if r.prompt_id == prompt_id]
+    assert replayed_trace(path, budget)[0].rollouts == sampled.rollouts  # the same sample every time
