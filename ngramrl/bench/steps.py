@@ -297,9 +297,12 @@ class SimulatedEngine:
                 # works during it (its budget follows the time it had: next_budget), and the
                 # proposer's call stops it, as at the forward's end in an engine (what is left of
                 # the row in hand is on the critical path).
+                # (In this machine's seconds: simulated CPU time is its real time times cpu_scale;
+                # with drafting free, cpu_scale 0, the forward's own length.)
+                wall = forward / self.clock.cpu_scale if self.clock.cpu_scale > 0 else forward
                 if background is not None:
-                    background.wait_idle(max(0.0, forward - (time.perf_counter() - returned)))
-                while self.wait_out and time.perf_counter() - returned < forward:
+                    background.wait_idle(max(0.0, wall - (time.perf_counter() - returned)))
+                while self.wait_out and time.perf_counter() - returned < wall:
                     pass
                 with self.clock.running():
                     begin = time.perf_counter_ns()
