@@ -369,8 +369,8 @@ class TraceWriter:
         self.pending: list[Rollout] = []
         self.count = count
         self.last_epoch = last_epoch
-        self._started = continue_at is not None
-        if continue_at is not None and os.path.getsize(path) > continue_at:
+        self._started = bool(continue_at)  # (nothing whole: the first flush writes the file anew)
+        if continue_at and os.path.getsize(path) > continue_at:
             with open(path, "r+b") as handle:
                 handle.truncate(continue_at)
 

@@ -86,16 +86,18 @@ class NgramRLRolloutActor(_OpenRLHFRolloutActor):
         epoch = self._ngramrl_epochs.get(prompt_id, 0)
         if self._ngramrl_feed is not None:
             shards = self._ngramrl_feed.shards
-            handle = shards.get(shard_of(prompt_id, len(shards)))
-            if handle is not None:
-                try:
+            shard = shard_of(prompt_id, len(shards))
+            try:
+                handle = shards.get(shard)
+                if handle is not None:
                     epoch = max(epoch, await asyncio.wait_for(handle.visit.remote(prompt_id), EPOCH_TIMEOUT_S))
                     self._ngramrl_visits_fail = False
-                except Exception as err:  # noqa: BLE001 - the pool only serves drafts: generation goes on
-                    if not self._ngramrl_visits_fail:  # once until the pool counts again
-                        logger.warning("ngramrl: the drafter pool did not count a visit of a prompt (%s); this "
-                                       "engine counts its visits meanwhile", err)
-                    self._ngramrl_visits_fail = True
+            except Exception as err:  # noqa: BLE001 - the pool only serves drafts: generation goes on
+                shards.failed(shard)  # the pool may have rebuilt it under its name: looked up again
+                if not self._ngramrl_visits_fail:  # once until the pool counts again
+                    logger.warning("ngramrl: the drafter pool did not count a visit of a prompt (%s); this "
+                                   "engine counts its visits meanwhile", err)
+                self._ngramrl_visits_fail = True
         self._ngramrl_epochs[prompt_id] = epoch + 1
         return epoch
 

@@ -258,6 +258,9 @@ def test_a_prompts_epoch_counts_its_visits_on_every_engine():
         def get(self, index):
             return SimpleNamespace(visit=SimpleNamespace(remote=visit))
 
+        def failed(self, index):
+            self.failures = getattr(self, "failures", 0) + 1
+
     feed = SimpleNamespace(shards=OneShard())
 
     def engine():
@@ -271,5 +274,6 @@ def test_a_prompts_epoch_counts_its_visits_on_every_engine():
     assert asyncio.run(visits(first, second, second, first)) == [0, 1, 2, 3]
     down[0] = True
     assert asyncio.run(visits(second)) == [3]  # its own count (it saw epoch 2 last)
+    assert feed.shards.failures == 1  # the shard is looked up again at the next visit
     down[0] = False
     assert asyncio.run(visits(first)) == [4]   # the shard's count again, not below its own
