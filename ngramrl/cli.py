@@ -114,10 +114,8 @@ def _generate(args: argparse.Namespace) -> int:
     from ngramrl.data.workloads import load_tasks
     from ngramrl.pipeline.config import BUILTIN_MODELS, check_model_path, check_reasoning_gym_task
 
-    args.out = OutputPaths(inputs=[p for p in (args.model, args.spider_dir) if p]).file(args.out, "--out")
-    if os.path.exists(args.out) and not args.overwrite:
-        raise ValueError(f"--out {args.out} exists (a trace takes minutes to hours to make); "
-                         "name another file, or pass --overwrite to replace it")
+    args.out = OutputPaths(inputs=[p for p in (args.model, args.spider_dir) if p]).file(args.out, "--out",
+                                                                                         replace=args.overwrite)
     if args.prompts < 1:
         raise ValueError(f"--prompts must be >= 1, got {args.prompts}")
     try:
@@ -161,9 +159,7 @@ def _to_trace(args: argparse.Namespace) -> int:
     from ngramrl.core.trace import write_trace
     from ngramrl.data.convert import RolloutKeys, read_logged_rollouts, trace_header
 
-    args.out = OutputPaths(inputs=args.rollouts).file(args.out, "--out")
-    if os.path.exists(args.out) and not args.overwrite:
-        raise ValueError(f"--out {args.out} exists; name another file, or pass --overwrite to replace it")
+    args.out = OutputPaths(inputs=args.rollouts).file(args.out, "--out", replace=args.overwrite)
     for path in args.rollouts:
         if not os.path.isfile(path):
             raise ValueError(f"{path}: no such file")
@@ -195,9 +191,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume or args.overwrite:
         overrides.append(f"run.if_exists={'resume' if args.resume else 'overwrite'}")
     config = load_config(args.config, overrides)  # rejected here, before Ray starts
-    config.check_local_gpus()
-    if args.check:  # (train plans the run directory first thing too)
+    if args.check:  # (train plans the run directory and checks the GPUs first thing too)
         plan = plan_run_dir(config)
+        config.check_local_gpus()
         what = {"new": "a new run", "resume": "resumes the run there",
                 "overwrite": f"deletes the earlier run there ({', '.join(plan.found)})"}[plan.mode]
         print(f"{args.config or '<defaults>'}: ok; run.output_dir {plan.path}: {what}")

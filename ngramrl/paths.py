@@ -88,14 +88,17 @@ class OutputPaths:
             if _same(path, other):
                 raise OutputPathError(f"{what} {shown!r} is also {other_what}: one would overwrite the other")
 
-    def file(self, path: str | None, what: str) -> str | None:
-        """A file this command will write (None: not asked for): its absolute path."""
+    def file(self, path: str | None, what: str, replace: bool = True) -> str | None:
+        """A file this command will write (None: not asked for): its absolute path. ``replace``
+        False: an existing file is refused (what it holds took long to make)."""
         if path is None:
             return None
         shown = path
         path = os.path.abspath(os.path.expanduser(path))
         if os.path.isdir(path):
             raise OutputPathError(f"{what} {shown!r} is a directory; give a file name")
+        if not replace and os.path.exists(path):
+            raise OutputPathError(f"{what} {shown!r} exists; name another file, or pass --overwrite to replace it")
         if os.path.exists(path) and not os.access(path, os.W_OK):
             raise OutputPathError(f"{what} {shown!r} exists and is not writable")
         _writable_directory(os.path.dirname(path), what, shown)

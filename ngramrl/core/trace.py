@@ -263,7 +263,8 @@ def _parse_rollout(path: str, line: int, raw: str, vocab_size: int) -> Rollout:
 _GZIP_HINT = " (the file is gzip-compressed: name it .jsonl.gz)"
 
 
-def _is_gzip(path: str) -> bool:
+def is_gzip(path: str) -> bool:
+    """Whether the file starts as gzip does (whatever its name says)."""
     try:
         with open(path, "rb") as handle:
             return handle.read(2) == b"\x1f\x8b"
@@ -306,7 +307,7 @@ def iter_trace(path: str, length: int | None = None) -> Iterator[TraceHeader | R
                     )
                 yield rollout
     except UnicodeDecodeError as err:
-        raise TraceError(path, None, f"cannot read file: {err}" + _GZIP_HINT * _is_gzip(path)) from None
+        raise TraceError(path, None, f"cannot read file: {err}" + _GZIP_HINT * is_gzip(path)) from None
     except (OSError, EOFError) as err:
         raise TraceError(path, None, f"cannot read file: {err}") from None
     except zlib.error as err:  # a gzip stream damaged past its header

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ngramrl.core.trace import Rollout, TraceHeader
+from ngramrl.core.trace import Rollout, TraceHeader, is_gzip
 
 
 class RolloutsError(ValueError):
@@ -58,9 +58,7 @@ def _tokens(value: Any, tokenizer: Any, what: str, path: str, line: int) -> list
 
 
 def _open(path: str) -> Any:
-    with open(path, "rb") as probe:
-        gzipped = probe.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rt", encoding="utf-8") if gzipped else open(path, encoding="utf-8")
+    return gzip.open(path, "rt", encoding="utf-8") if is_gzip(path) else open(path, encoding="utf-8")
 
 
 def read_logged_rollouts(paths: list[str], keys: RolloutKeys, tokenizer: Any = None) -> list[Rollout]:

@@ -39,18 +39,25 @@ def replayed_trace(trace_path: str, max_tokens: int = REPLAY_TOKENS) -> tuple[Tr
     fit, chosen by a stable hash of their ids (so every epoch of a chosen prompt is in); read as it
     streams (the whole trace never sits in memory). Also the prompts kept and all the prompts."""
     tokens: dict[str, int] = {}
-    for item in iter_trace(trace_path):
-        if isinstance(item, Rollout):
-            tokens[item.prompt_id] = tokens.get(item.prompt_id, 0) + len(item.output)
-    kept, total = set(), 0
-    for prompt_id in sorted(tokens, key=lambda p: (zlib.crc32(p.encode("utf-8")), p)):
-        if kept and total + tokens[prompt_id] > max_tokens:
-            continue
-        kept.add(prompt_id)
-        total += tokens[prompt_id]
+    total = 0
     items = iter(iter_trace(trace_path))
     header = next(items)
-    rollouts = [item for item in items if isinstance(item, Rollout) and item.prompt_id in kept]
+    held: list[Rollout] = []  # the rollouts as long as they fit: a trace that fits is read once
+    for item in items:
+        if isinstance(item, Rollout):
+            tokens[item.prompt_id] = tokens.get(item.prompt_id, 0) + len(item.output)
+            total += len(item.output)
+            if total <= max_tokens:
+                held.append(item)
+    if total <= max_tokens:
+        return Trace(header, held, trace_path), len(tokens), len(tokens)
+    kept, fitting = set(), 0
+    for prompt_id in sorted(tokens, key=lambda p: (zlib.crc32(p.encode("utf-8")), p)):
+        if kept and fitting + tokens[prompt_id] > max_tokens:
+            continue
+        kept.add(prompt_id)
+        fitting += tokens[prompt_id]
+    rollouts = [item for item in iter_trace(trace_path) if isinstance(item, Rollout) and item.prompt_id in kept]
     return Trace(header, rollouts, trace_path), len(kept), len(tokens)
 
 

@@ -46,13 +46,17 @@ class EarlierRun:
     next_step: int = 0                                           # the first step number of this run
     next_epoch: dict[str, int] = field(default_factory=dict)    # per prompt: its next epoch
     rollout_count: int = 0                                       # rollouts in its trace
-    last_epoch: int = -1                                         # the last epoch its trace holds
     trace_whole_bytes: int | None = None                         # its trace's whole part (None: no trace)
     records: list[dict[str, Any]] = field(default_factory=list)  # summary.json so far
     pool_dir: str | None = None                                  # its drafter pool snapshots
     resumes: int = 0                                             # earlier resumptions of it
     policy_dir: str | None = None                                # the policy it saved
     policy_steps: int = 0                                        # the steps that trained that policy
+
+    @property
+    def last_epoch(self) -> int:
+        """The last epoch its trace holds (-1: none)."""
+        return max(self.next_epoch.values(), default=0) - 1
 
 
 @dataclass
@@ -102,7 +106,6 @@ def read_earlier_run(path: str) -> EarlierRun:
             if not isinstance(rollout, Rollout):
                 continue
             earlier.rollout_count += 1
-            earlier.last_epoch = max(earlier.last_epoch, rollout.epoch)
             earlier.next_epoch[rollout.prompt_id] = max(earlier.next_epoch.get(rollout.prompt_id, 0),
                                                         rollout.epoch + 1)
             if rollout.policy_version is not None:

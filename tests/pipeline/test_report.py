@@ -47,3 +47,5 @@ def test_a_long_runs_trace_is_replayed_for_a_sample_of_its_prompts_with_all_thei
         assert [r for r in sampled.rollouts if r.prompt_id == prompt_id] == [
             r for r in whole.rollouts if r.prompt_id == prompt_id]
     assert replayed_trace(path, budget)[0].rollouts == sampled.rollouts  # the same sample every time
+    whole_fits, kept, total = replayed_trace(path, sum(per_prompt.values()))  # read in one pass
+    assert whole_fits.rollouts == whole.rollouts and kept == total == len(per_prompt)
