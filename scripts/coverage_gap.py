@@ -14,7 +14,11 @@ For each trace, over every warm step whose rollout goes on:
 - re-ranked: the best a logistic model over (log P(j), log P(b | j), j, the rank of b at its j)
   does, fitted on the same steps it is scored on (an upper bound for recalibrating the scores
   with those features);
-- known j: the budget's likeliest b at the true j (what the budget covers when j is known).
+- known j: the budget's likeliest b at the true j (what the budget covers when j is known);
+- designs: next-draft prefetch (the budget's lookups, as the engine's) against match-state
+  prefetch (only the match states after d_1..d_j for the same j): how often each was ready for the
+  real outcome, the CPU each spent per step, and the critical-path time each hid per unit of it
+  (in the Python reference drafter, where both are timed side by side).
 
 Run it from a checkout (the checkout's ngramrl is imported).
 """
@@ -24,13 +28,14 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import statistics
 import sys
 
 import numpy as np
 
 sys.path.insert(0, ".")
 
-from ngramrl.bench.methods import NgramRLMethod  # noqa: E402
+from ngramrl.bench.methods import CoverageTally, ReferenceMethod  # noqa: E402
 from ngramrl.bench.replay import replay  # noqa: E402
 from ngramrl.config import PrefetchConfig  # noqa: E402
 from ngramrl.core.drafter import Draft  # noqa: E402
@@ -39,12 +44,12 @@ from ngramrl.core.outcome import accepted_length_distribution  # noqa: E402
 from ngramrl.core.trace import read_trace  # noqa: E402
 
 
-class GapMethod(NgramRLMethod):
+class GapMethod(ReferenceMethod):
     """ngramrl's replay method that also keeps, per step, the predicted outcomes and the real one."""
 
     def __init__(self, budget: int, candidates: int) -> None:
-        # The replay's own prediction lists ``candidates`` outcomes; no lookups (prefetch budget 0).
-        super().__init__(prefetch=PrefetchConfig(budget=0), budgets=[candidates], known_j_budget=budget)
+        # The replay's own prediction lists ``candidates`` outcomes; the budget's are looked up.
+        super().__init__(prefetch=PrefetchConfig(budget=budget), budgets=[candidates], known_j_budget=budget)
         self.steps: list[dict] = []
         self._pending: tuple | None = None
 
@@ -106,6 +111,18 @@ def logistic_bound(steps: list[dict], budget: int) -> float:
     return covered / len(steps)
 
 
+def designs(tally: CoverageTally) -> str:
+    """Next-draft prefetch against match-state prefetch: how often each was ready for the real
+    outcome and how much critical-path time it hid per unit of the CPU it spent."""
+    drafts, states = tally.design_hidden_per_spent
+    steps = max(1, tally.steps)
+    from_context = statistics.median(tally.from_context_ns) / 1000 if tally.from_context_ns else 0.0
+    return (f"  designs: next draft from the old context {from_context:.1f} us; next-draft prefetch ready "
+            f"{tally.prefetch_hits / steps:.3f}, {tally.spent_ns / steps / 1000:.1f} us/step, hides "
+            f"{drafts or 0:.2f} us per us; match-state prefetch ready {tally.state_hits / steps:.3f}, "
+            f"{tally.state_spent_ns / steps / 1000:.1f} us/step, hides {states or 0:.2f} us per us")
+
+
 def report(path: str, budget: int, candidates: int) -> None:
     method = GapMethod(budget, candidates)
     replay(read_trace(path), method, 16, path)
@@ -117,6 +134,7 @@ def report(path: str, budget: int, candidates: int) -> None:
     print(f"  coverage {covered / n:.3f} (ceiling {method.tally.ceiling:.3f}); by state {by_state / n:.3f}; "
           f"known j {method.tally.known_j_hits / max(1, method.tally.steps):.3f}; "
           f"re-ranked (in-sample bound) {logistic_bound(steps, budget):.3f}")
+    print(designs(method.tally))
     print("  P(j) predicted / observed: " + ", ".join(
         f"j={j} {sum(s['p_j'][j] if j < len(s['p_j']) else 0.0 for s in steps) / n:.3f}/"
         f"{sum(s['j'] == j for s in steps) / n:.3f}" for j in range(6)))

@@ -25,7 +25,7 @@ import json
 import os
 from collections.abc import Callable
 
-from ngramrl.bench.methods import NgramRLMethod, NgramRLTreeMethod
+from ngramrl.bench.methods import NgramRLTreeMethod, ReferenceMethod
 from ngramrl.bench.replay import replay
 from ngramrl.bench.run import drafter_for
 from ngramrl.config import DrafterConfig
@@ -143,7 +143,7 @@ def main() -> None:
             for kind, width, fields in variants:
                 drafter = drafter_for(trace, DrafterConfig(**fields))
                 method = (NgramRLTreeMethod(drafter=drafter, width=width, calibrated=kind == "tree")
-                          if kind.startswith("tree") else NgramRLMethod(drafter=drafter))
+                          if kind.startswith("tree") else ReferenceMethod(drafter=drafter))
                 if kind == "longest-match":
                     method.drafter = LongestMatchDrafter(method.history, drafter)
                 if kind == "calibrated-path":  # the chances its verified chains calibrate

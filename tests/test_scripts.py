@@ -190,3 +190,32 @@ def test_the_cluster_refuses_a_job_submitted_without_its_token(tmp_path):
         except subprocess.TimeoutExpired:
             head.kill()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+REPLAY_SCRIPTS = [
+    ("coverage_gap.py", ["--budget", "4", "--candidates", "8"], ["coverage ", "designs: ", "P(j) predicted"]),
+    ("drafter_choices.py", ["--k", "8", "--variant", "path_width=2", "--variant", "longest-match:"],
+     ["default chain", "tree width=4", "chain path_width=2", "longest-match"]),
+    ("suffix_settings.py", ["--k", "8", "--setting", "24,1.0,0.1", "--setting", "64,4.0,0.1"],
+     ["suffix depth=24 factor=1 min_prob=0.1", "suffix depth=64 factor=4", "ngramrl x"]),
+]
+
+
+@pytest.mark.parametrize(("script", "args", "expected"), REPLAY_SCRIPTS, ids=[s for s, _, _ in REPLAY_SCRIPTS])
+def test_the_replay_scripts_the_docs_cite_run_on_a_small_trace(tmp_path, script, args, expected):
+    """docs/prefetch.md and docs/drafter.md give these commands for their tables: each runs
+    against the replay's current interfaces and prints its rows."""
+    if script == "suffix_settings.py":
+        pytest.importorskip("arctic_inference")
+    from ngramrl.bench.run import builtin_traces
+    from ngramrl.core.trace import read_trace, write_trace
+
+    whole = read_trace(next(p for p in builtin_traces() if "gsm-smollm2-t0.6" in p))
+    prompts = sorted({r.prompt_id for r in whole.rollouts})[:2]
+    small = str(tmp_path / "small.jsonl.gz")
+    write_trace(small, whole.header, [r for r in whole.rollouts if r.prompt_id in prompts and r.epoch <= 1])
+    result = subprocess.run([sys.executable, os.path.join("scripts", script), small, *args], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for text in expected:
+        assert text in result.stdout, (text, result.stdout[-2000:])

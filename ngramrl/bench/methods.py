@@ -2,8 +2,9 @@
 
 Every method sees, for a rollout of epoch e, only what was known before epoch e started (all
 rollouts of earlier epochs) plus the rollout's own prompt and its own output committed so far.
-The replay loop calls ``begin_epoch`` with the earlier epochs' rollouts, then for each replayed
-rollout ``start``, and per step ``propose`` and ``commit``, then ``finish``.
+For each replayed rollout the replay loop calls ``start``, ``commit`` with the prefill's token, then
+per step ``propose``, ``background`` (what overlaps the target's forward) and ``commit``, then
+``finish``; after each epoch, ``add_history`` with its rollouts.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.automaton import SuffixAutomaton
+from ngramrl.core.batch import make_core
 from ngramrl.core.drafter import Draft, NgramDrafter, RequestState
 from ngramrl.core.estimate import MatchState, advance, continuation_estimates, step_sources
 from ngramrl.core.history import RolloutHistory
@@ -135,7 +139,12 @@ class CoverageTally:
         return self.ceiling_hits / self.steps if self.steps else 0.0
 
 
-class NgramRLMethod:
+class ReferenceMethod:
+    """ngramrl through the pure-Python drafter object itself, with the analysis hooks the coverage
+    and drafter-choice scripts read (the outcome model's own ranking, the two prefetch designs
+    timed side by side, the likeliest b at the true j). The benchmark's ``ngramrl`` is
+    ``NgramRLMethod``: the drafting core the engine runs."""
+
     name = "ngramrl"
 
     def __init__(self, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
@@ -174,6 +183,7 @@ class NgramRLMethod:
         self._remaining = len(rollout.output)
         self._outcome = None
         self._prefetched = {}
+        self.last_draft = None  # the prefill's token verifies no draft: no outcome to score
         if self.tally.budgets:
             self._ceiling.start(rollout.prompt)
 
@@ -316,7 +326,7 @@ class NgramRLMethod:
         self.request = None
 
 
-class NgramRLTreeMethod(NgramRLMethod):
+class NgramRLTreeMethod(ReferenceMethod):
     """ngramrl's draft trees: at most k tokens in at most ``width`` root-to-leaf paths, grown
     best-first by path probability (docs/drafter.md); a tree of k tokens costs what a chain of k
     tokens costs to verify. ``calibrated``: the path probabilities multiply the acceptance chances
@@ -357,6 +367,107 @@ class NgramRLTreeMethod(NgramRLMethod):
 
     def background(self) -> None:
         pass
+
+
+class NgramRLMethod:
+    """ngramrl as an engine runs it: the drafting core (native where built, else the Python
+    reference), each rollout one row stepped as the proposer steps it (the step commits the
+    tokens the last forward committed and drafts), its acceptance calibration learned by following
+    every draft it makes. With a prefetch ``budget`` the core predicts the likeliest outcomes
+    (j, b) of each draft while the target verifies it and looks up their next drafts; the replay
+    waits for that work (the forward would) and scores the ranking against the real outcome at
+    each of ``budgets``. ``native``: None picks the native core where built (``make_core``)."""
+
+    name = "ngramrl"
+
+    def __init__(self, history: HistoryConfig | None = None, drafter: DrafterConfig | None = None,
+                 prefetch: PrefetchConfig | None = None, budgets: list[int] | None = None,
+                 native: bool | None = None) -> None:
+        self.prefetch = prefetch or PrefetchConfig()
+        self.core = make_core(history, drafter, self.prefetch, follow=True, native=native)
+        self.tally = CoverageTally(sorted(set(budgets or [])))
+        self._ceiling = _BigramHistory()
+        self._handle: int | None = None
+        self._committed: list[int] = []
+        self._draft: tuple[np.ndarray, np.ndarray] | None = None  # the last draft's tokens and estimates
+        self._ranks: dict[tuple[int, int], int] = {}  # the prefetch's outcomes (j, b), likeliest first
+        self._remaining = 0
+        self._k = 0
+
+    def add_history(self, rollouts: list[Rollout]) -> None:
+        for rollout in rollouts:
+            self.core.add_rollout(rollout.prompt_id, rollout.prompt, rollout.output, rollout.epoch)
+        if self.tally.budgets:
+            self._ceiling.add(rollouts)
+
+    def start(self, rollout: Rollout) -> None:
+        # register=False: a prompt no earlier epoch has is not known when its rollout starts.
+        self._handle = self.core.start(rollout.prompt_id, rollout.prompt, [], register=False)
+        self._remaining = len(rollout.output)
+        self._draft = None
+        self._ranks = {}
+        if self.tally.budgets:
+            self._ceiling.start(rollout.prompt)
+
+    def propose(self, k: int) -> list[int]:
+        committed = self._committed
+        made = self.core.step([self._handle], committed, [0, len(committed)], [k])
+        self.tally.prefetch_hits += bool(made.prefetched[0])
+        self._draft = (made.tokens, made.probs)
+        self._k = k
+        return made.tokens.tolist()
+
+    def background(self) -> None:
+        """While the target verifies the draft: the next drafts of its likeliest outcomes."""
+        if not self.tally.budgets or self._draft is None:
+            return
+        tokens, probs = self._draft
+        begin = time.perf_counter_ns()
+        self.core.prefetch([self._handle], tokens, [0, len(tokens)], probs, self._k, absorb=[self._handle])
+        outcomes = self.core.collect()
+        self.tally.prefetch_ns.append(time.perf_counter_ns() - begin)
+        self._ranks = {}
+        for j, b in zip(outcomes.accepted.tolist(), outcomes.token.tolist(), strict=True):
+            self._ranks.setdefault((j, b), len(self._ranks))
+
+    def commit(self, tokens: list[int]) -> None:
+        self._remaining -= len(tokens)
+        if self._draft is not None and self.tally.budgets and self._remaining > 0:  # a next draft is needed
+            tally = self.tally
+            tally.steps += 1
+            rank = self._ranks.get((len(tokens) - 1, tokens[-1]))
+            for budget in tally.budgets:
+                if rank is not None and rank < budget:
+                    tally.hits[budget] = tally.hits.get(budget, 0) + 1
+            context_last = tokens[-2] if len(tokens) > 1 else self._ceiling.last
+            tally.ceiling_hits += self._ceiling.seen(context_last, tokens[-1])
+        if self.tally.budgets:
+            self._ceiling.extend(tokens)
+        self._committed = tokens
+
+    def finish(self) -> None:
+        # Same-epoch rollouts must not see each other: drop this one; add_history adds the epoch later.
+        self.core.finish(self._handle)
+        self._handle = None
+        self._draft = None
+
+    def coverage_report(self, budget: int) -> dict:
+        """The contract's coverage object, extended with the steps it counts, how often the next
+        draft really came from the prefetch, and the prefetch's costs: its wall time per step
+        (the replay waits for it), and from the native core's own clocks the planning (outcome
+        model and allocation) per row and one lookup, in the prefetch and in a step."""
+        tally = self.tally
+        report = {"budget": budget, "value": round(tally.value(budget), 4), "ceiling": round(tally.ceiling, 4),
+                  "steps": tally.steps, "ready": round(tally.prefetch_hits / tally.steps, 4) if tally.steps else 0.0,
+                  "prefetch_us_per_step": (round(statistics.median(tally.prefetch_ns) / 1000, 3)
+                                           if tally.prefetch_ns else None)}
+        if self.core.native:
+            timings = self.core.timings()
+            report.update(
+                plan_us_per_row=round(timings["plan_ns"] / 1000 / max(1, timings["plan_rows"]), 3),
+                prefetch_lookup_us=round(timings["prefetch_lookup_ns"] / 1000 / max(1, timings["prefetch_lookups"]), 3),
+                step_lookup_us=round(timings["step_lookup_ns"] / 1000 / max(1, timings["step_lookups"]), 3))
+        return report
 
 
 # vLLM's defaults for its ``suffix`` method (SuffixDecoding)

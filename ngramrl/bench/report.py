@@ -50,22 +50,15 @@ def format_table(results: list[ReplayResult]) -> str:
         )
     for r in results:
         c = r.coverage
-        if c and c.get("bookkeeping_us_per_step") is not None:
-            lines.append(
-                f"prefetch {os.path.basename(r.trace).split('.jsonl')[0]} k={r.k} B={c['budget']}: coverage "
-                f"{c['value']:.3f} of ceiling {c['ceiling']:.3f}"
-                + (f" ({100 * c['value'] / c['ceiling']:.0f}%); " if c["ceiling"] else "; ") +
-                f"outcome model {c['model_us_per_step']:.1f} us/step, allocation + cache "
-                f"{c['bookkeeping_us_per_step']:.1f} us/step, ordinary lookup {c['lookup_us']:.1f} us, "
-                f"prefetch lookups {c['prefetch_us_per_step']:.1f} us/step")
-            d = c.get("designs") or {}
-            if d.get("from_context_us") is not None:
-                nd, ms = d["next_draft"], d["match_state"]
-                lines.append(
-                    f"  designs: next draft from the old context {d['from_context_us']:.1f} us; next-draft prefetch "
-                    f"ready {nd['ready']:.3f}, {nd['spent_us_per_step']:.1f} us/step, hides "
-                    f"{nd['hidden_per_spent'] or 0:.2f} us per us; match-state prefetch ready {ms['ready']:.3f}, "
-                    f"{ms['spent_us_per_step']:.1f} us/step, hides {ms['hidden_per_spent'] or 0:.2f} us per us")
+        if c and c.get("prefetch_us_per_step") is not None:
+            line = (f"prefetch {os.path.basename(r.trace).split('.jsonl')[0]} k={r.k} B={c['budget']}: coverage "
+                    f"{c['value']:.3f} of ceiling {c['ceiling']:.3f}"
+                    + (f" ({100 * c['value'] / c['ceiling']:.0f}%)" if c["ceiling"] else "")
+                    + f", next draft ready {c['ready']:.3f}; prefetch {c['prefetch_us_per_step']:.1f} us/step")
+            if c.get("plan_us_per_row") is not None:
+                line += (f" (planning {c['plan_us_per_row']:.1f} us, lookups {c['prefetch_lookup_us']:.1f} us each); "
+                         f"a step's own lookup {c['step_lookup_us']:.1f} us")
+            lines.append(line)
     lines.append("x suffix, x pld: tokens per forward over that method's. % oracle: over the ceiling's (best run "
                  "after a one-token match anywhere in the allowed history); % p-orcl: over the same, limited to the "
                  "same prompt's earlier rollouts. drafted: draft tokens verified per forward (what the gain costs "
@@ -129,16 +122,11 @@ def format_sweep(results: list[ReplayResult]) -> str:
     if not rows:
         return ""
     budgets = list(rows[0].coverage["sweep"])
-    header = (f"{'coverage at budget B':<34} " + " ".join(f"{'B=' + b:>7}" for b in budgets)
-              + f" {'ceiling':>8} {'known j':>8}")
+    header = f"{'coverage at budget B':<34} " + " ".join(f"{'B=' + b:>7}" for b in budgets) + f" {'ceiling':>8}"
     lines = [header, "-" * len(header)]
     for r in rows:
         values = " ".join(f"{r.coverage['sweep'][b]:>7.3f}" for b in budgets)
-        known = r.coverage.get("known_j")
-        lines.append(f"{os.path.basename(r.trace).split('.jsonl')[0][:34]:<34} {values} {r.coverage['ceiling']:>8.3f} "
-                     f"{'-' if known is None else f'{known:.3f}':>8}")
-    lines.append(f"known j: steps whose b is among the outcome model's {rows[0].coverage['budget']} likeliest "
-                 "tokens at the true j (the budget's coverage if j were known)")
+        lines.append(f"{os.path.basename(r.trace).split('.jsonl')[0][:34]:<34} {values} {r.coverage['ceiling']:>8.3f}")
     return "\n".join(lines)
 
 

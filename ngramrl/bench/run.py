@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import statistics
 from dataclasses import dataclass, field
 
-from ngramrl.bench.methods import METHOD_NAMES, CoverageTally, NgramRLMethod, NgramRLTreeMethod, make_method
+from ngramrl.bench.methods import METHOD_NAMES, NgramRLMethod, NgramRLTreeMethod, make_method
 from ngramrl.bench.replay import ReplayResult, replay
 from ngramrl.bench.siblings import SIBLING_METHODS, make_sibling_method, replay_siblings
 from ngramrl.bench.steps import method_available
@@ -68,42 +67,6 @@ class BenchConfig:
             raise ValueError(f"--budget must be >= 1, got {self.budget}")
         if self.tree_width < 1:
             raise ValueError(f"--tree-width must be >= 1, got {self.tree_width}")
-
-
-def _median_us(values: list[int]) -> float | None:
-    return round(statistics.median(values) / 1000, 3) if values else None
-
-
-def coverage_report(tally: CoverageTally, budget: int) -> dict:
-    """The contract's coverage object, extended with the sweep and the prefetcher's own costs."""
-    return {
-        "budget": budget,
-        "value": round(tally.value(budget), 4),
-        "ceiling": round(tally.ceiling, 4),
-        "steps": tally.steps,
-        "model_us_per_step": _median_us(tally.model_ns),
-        "bookkeeping_us_per_step": _median_us(tally.bookkeeping_ns),
-        "lookup_us": _median_us(tally.lookup_ns),
-        "prefetch_us_per_step": _median_us(tally.prefetch_ns),
-        "hidden_over_spent": round(tally.hidden_ns / tally.spent_ns, 4) if tally.spent_ns else None,
-        "designs": _designs(tally),
-    }
-
-
-def _designs(tally: CoverageTally) -> dict:
-    """Next-draft prefetch against match-state prefetch: how often each is ready for the real
-    outcome and how much critical-path time it hides per unit of the CPU it spends."""
-    drafts, states = tally.design_hidden_per_spent
-    steps = max(1, tally.steps)
-    return {
-        "from_context_us": _median_us(tally.from_context_ns),
-        "next_draft": {"ready": round(tally.prefetch_hits / steps, 4),
-                       "spent_us_per_step": round(tally.spent_ns / steps / 1000, 3),
-                       "hidden_per_spent": None if drafts is None else round(drafts, 4)},
-        "match_state": {"ready": round(tally.state_hits / steps, 4),
-                        "spent_us_per_step": round(tally.state_spent_ns / steps / 1000, 3),
-                        "hidden_per_spent": None if states is None else round(states, 4)},
-    }
 
 
 def drafter_for(trace: Trace, base: DrafterConfig) -> DrafterConfig:
@@ -218,14 +181,13 @@ def run_bench(config: BenchConfig, progress: bool = True) -> list[ReplayResult]:
                 if isinstance(method, NgramRLTreeMethod):
                     result.tree_width = method.width
                 elif isinstance(method, NgramRLMethod):
-                    result.coverage = coverage_report(method.tally, config.budget)
+                    result.coverage = method.coverage_report(config.budget)
                     if config.sweep and k == config.ks[0]:
-                        # A separate replay: predicting the top 64 would inflate the main run's timings.
+                        # A separate replay: looking up the top 64 would inflate the main run's timings.
                         swept = NgramRLMethod(config.history, drafter_for(trace, config.drafter),
-                                              PrefetchConfig(budget=0), config.sweep, known_j_budget=config.budget)
+                                              PrefetchConfig(budget=max(config.sweep)), config.sweep)
                         replay(trace, swept, k, trace.path)
                         result.coverage["sweep"] = {str(b): round(swept.tally.value(b), 4) for b in config.sweep}
-                        result.coverage["known_j"] = round(swept.tally.known_j_hits / max(1, swept.tally.steps), 4)
                 results.append(result)
     bar.close()
     return results

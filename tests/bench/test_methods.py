@@ -4,6 +4,7 @@ import pytest
 
 from ngramrl.bench.methods import METHOD_NAMES, make_method, prompt_lookup
 from ngramrl.bench.replay import replay
+from ngramrl.config import PrefetchConfig
 from ngramrl.core.trace import Rollout, Trace, TraceHeader
 
 
@@ -84,34 +85,69 @@ def test_unknown_method_is_rejected():
         make_method("eagle")
 
 
-def test_replay_with_prefetch_uses_the_same_drafts():
-    """Prefetched next drafts are the drafts the ordinary lookup makes: same forwards, with hits."""
+@pytest.mark.parametrize("native", [False, True], ids=["reference-core", "native-core"])
+def test_replay_with_prefetch_uses_the_same_drafts(native):
+    """Prefetched next drafts are the drafts the ordinary lookup makes: same forwards, with hits;
+    and a step's draft came from the prefetch exactly when its outcome was among those looked up."""
     from ngramrl.bench.methods import NgramRLMethod
 
+    if native:
+        pytest.importorskip("ngramrl._native")
     rng = random.Random(5)
     prompts = {f"p{i}": [1, 2, 3 + i] for i in range(3)}
     rollouts = [Rollout(pid, epoch, sample, prompt, [rng.choice([10, 11, 12, 13]) for _ in range(30)] + [2])
                 for epoch in range(3) for pid, prompt in prompts.items() for sample in range(3)]
     trace = toy_trace(rollouts)
-    plain = replay(trace, NgramRLMethod(), 8)
-    prefetching = NgramRLMethod(budgets=[1, 16])
-    result = replay(trace, prefetching, 8)
-    assert result.forwards == plain.forwards
-    assert prefetching.tally.prefetch_hits > 0
-    assert prefetching.tally.value(16) >= prefetching.tally.value(1) > 0
+    plain = replay(trace, NgramRLMethod(native=native), 8)
+    for budget in (1, 16):
+        prefetching = NgramRLMethod(prefetch=PrefetchConfig(budget=budget), budgets=[1, budget], native=native)
+        assert prefetching.core.native == native
+        result = replay(trace, prefetching, 8)
+        assert result.forwards == plain.forwards
+        tally = prefetching.tally
+        assert tally.prefetch_hits == tally.hits.get(budget, 0) > 0
+        assert tally.value(budget) >= tally.value(1) > 0
+
+
+def test_the_benchmark_drafts_with_the_core_engines_run_and_the_reference_agrees():
+    """`ngramrl bench` replays ngramrl through the drafting core vLLM's proposer runs (the native
+    one where built): on a shipped trace its forwards and its coverage at every budget are the
+    Python reference core's, and its forwards and scored steps those of the reference drafter."""
+    pytest.importorskip("ngramrl._native")
+    from ngramrl.bench.methods import NgramRLMethod, ReferenceMethod
+    from ngramrl.bench.run import builtin_traces, drafter_for
+    from ngramrl.config import DrafterConfig
+    from ngramrl.core.trace import read_trace
+
+    whole = read_trace(next(p for p in builtin_traces() if "bfcl-smollm2-t0.6" in p))
+    prompts = sorted({r.prompt_id for r in whole.rollouts})[:4]
+    trace = Trace(whole.header, [r for r in whole.rollouts if r.prompt_id in prompts and r.epoch <= 1], whole.path)
+    drafter = drafter_for(trace, DrafterConfig())
+    assert make_method("ngramrl").core.native
+    runs = {}
+    for native in (True, False):
+        method = NgramRLMethod(drafter=drafter, prefetch=PrefetchConfig(budget=8), budgets=[1, 2, 8], native=native)
+        runs[native] = (replay(trace, method, 16).forwards, method.tally.hits, method.tally.ceiling_hits,
+                        method.tally.prefetch_hits, method.tally.steps)
+    assert runs[True] == runs[False]
+    assert runs[True][1][8] > runs[True][1][1] > 0
+    reference = ReferenceMethod(drafter=drafter, prefetch=PrefetchConfig(budget=8), budgets=[8])
+    assert replay(trace, reference, 16).forwards == runs[True][0]
+    # the same steps scored (each rollout's prefill verifies no draft) against the same ceiling
+    assert (reference.tally.steps, reference.tally.ceiling_hits) == (runs[True][4], runs[True][2])
 
 
 def test_knowing_j_covers_at_least_what_the_outcome_model_covers():
     """An outcome among the top B overall has its b among the top B at its own j: the known-j
     figure bounds coverage at the same budget from above (and is below 1 when b is uncertain)."""
-    from ngramrl.bench.methods import NgramRLMethod
+    from ngramrl.bench.methods import ReferenceMethod
 
     rng = random.Random(6)
     prompts = {f"p{i}": [1, 2, 3 + i] for i in range(3)}
     rollouts = [Rollout(pid, epoch, sample, prompt, [rng.choice(range(10, 22)) for _ in range(40)] + [2])
                 for epoch in range(3) for pid, prompt in prompts.items() for sample in range(3)]
     for budget in (1, 4):
-        method = NgramRLMethod(budgets=[budget], known_j_budget=budget)
+        method = ReferenceMethod(budgets=[budget], known_j_budget=budget)
         replay(toy_trace(rollouts), method, 8)
         tally = method.tally
         assert tally.hits.get(budget, 0) <= tally.known_j_hits < tally.steps
@@ -143,7 +179,7 @@ def test_tree_method_accepts_along_a_branch_the_chain_leaves_out():
 def test_known_j_counts_b_among_the_likeliest_tokens_after_the_true_j():
     """After [10] the history saw 11 three times, 12 twice, 13 once; the replayed rollout rejects
     11 and emits 13: the second likeliest correction, so a budget of 2 covers it and 1 does not."""
-    from ngramrl.bench.methods import NgramRLMethod
+    from ngramrl.bench.methods import ReferenceMethod
 
     prompt = [1, 5, 6]
     outputs = [[10, 11, 2]] * 3 + [[10, 12, 2]] * 2 + [[10, 13, 2]]
@@ -151,7 +187,7 @@ def test_known_j_counts_b_among_the_likeliest_tokens_after_the_true_j():
     rollouts.append(Rollout("a", 1, 0, prompt, [10, 13, 2]))
     found = {}
     for budget in (1, 2):
-        method = NgramRLMethod(budgets=[budget], known_j_budget=budget)
+        method = ReferenceMethod(budgets=[budget], known_j_budget=budget)
         replay(toy_trace(rollouts), method, 8)
         assert method.tally.steps == 1
         found[budget] = method.tally.known_j_hits
