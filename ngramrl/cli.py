@@ -67,13 +67,15 @@ def _bench(args: argparse.Namespace) -> int:
     if "ngramrl" in config.methods and config.regime == "epochs":
         for path in config.traces:
             memory[path] = measure_history_memory(read_trace(path), config.history)
-            print(f"ngramrl history memory, {os.path.basename(path)}: {memory[path]['bytes_per_token']:.0f} bytes "
-                  f"per stored token ({memory[path]['stored_tokens']} tokens, per-prompt and cross-prompt indexes)")
+            if "bytes_per_token" in memory[path]:
+                print(f"ngramrl Python reference memory, {os.path.basename(path)}: "
+                      f"{memory[path]['bytes_per_token']:.0f} bytes per stored token ({memory[path]['stored_tokens']} "
+                      f"tokens, per-prompt and cross-prompt indexes)")
             native = memory[path].get("native")
             if native is not None:
                 print(f"ngramrl native core memory, {os.path.basename(path)}: {native['bytes_per_token']:.0f} bytes "
                       f"per stored token by its own count, {native.get('malloc_bytes_per_token', float('nan')):.0f} "
-                      f"by malloc's")
+                      f"by malloc's ({native['stored_tokens']} tokens, per-prompt and cross-prompt indexes)")
     if args.json:
         write_json(args.json, results, {**extra, **({"ngramrl_memory": memory} if memory else {})})
         print(f"wrote {args.json}")

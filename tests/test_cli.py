@@ -5,10 +5,11 @@ import re
 import numpy as np
 import pytest
 
+from ngramrl.bench.run import measure_history_memory
 from ngramrl.cli import main
 from ngramrl.config import HistoryConfig, PrefetchConfig
 from ngramrl.core.extension import native_module
-from ngramrl.core.trace import Rollout, TraceHeader, write_trace
+from ngramrl.core.trace import Rollout, TraceHeader, read_trace, write_trace
 
 
 def small_trace(path):
@@ -46,6 +47,15 @@ def test_bench_writes_contract_json_table_and_plot(tmp_path, capsys):
     assert "ngramrl" in table and "x suffix" in table
     assert table.startswith(f"machine: {data['machine']['cpu']}")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the memory of the core that drafted: the Python reference's is measured only where it drafts
+    memory = data["ngramrl_memory"][trace]
+    both = measure_history_memory(read_trace(trace), HistoryConfig(), reference=True)
+    assert both["stored_tokens"] > 0 and both["bytes_per_token"] > 0
+    if native_module() is not None:
+        assert set(memory) == {"native"} and "Python reference memory" not in table
+        assert memory["native"]["stored_tokens"] == both["stored_tokens"] and memory["native"]["bytes_per_token"] > 0
+    else:
+        assert memory["stored_tokens"] == both["stored_tokens"] and "Python reference memory" in table
 
 
 def test_bench_siblings_regime_replays_every_prompt_epoch_from_its_siblings_only(tmp_path, capsys):

@@ -75,9 +75,22 @@ def drafter_for(trace: Trace, base: DrafterConfig) -> DrafterConfig:
     return DrafterConfig(**{**base.__dict__, "stop_tokens": stops})
 
 
-def measure_history_memory(trace: Trace, config: HistoryConfig) -> dict:
+def measure_history_memory(trace: Trace, config: HistoryConfig, reference: bool | None = None) -> dict:
     """Bytes the drafter's state takes per stored token, with every rollout of the trace indexed
-    (per-prompt and cross-prompt indexes), measured with tracemalloc."""
+    (per-prompt and cross-prompt indexes): the native core's under ``native`` where it is built;
+    the Python reference's, measured with tracemalloc, where it is not (it is then what drafts) or
+    where ``reference`` asks for it (tracemalloc over a long trace takes minutes, and the
+    reference's objects gigabytes)."""
+    native = measure_native_memory(trace, config)
+    report: dict = {}
+    if reference or (reference is None and native is None):
+        report = _reference_memory(trace, config)
+    if native is not None:
+        report["native"] = native
+    return report
+
+
+def _reference_memory(trace: Trace, config: HistoryConfig) -> dict:
     import tracemalloc
 
     from ngramrl.core.history import RolloutHistory
@@ -93,11 +106,7 @@ def measure_history_memory(trace: Trace, config: HistoryConfig) -> dict:
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     tokens = history.stored_tokens
-    report = {"stored_tokens": tokens, "bytes": used, "bytes_per_token": round(used / max(1, tokens), 1)}
-    native = measure_native_memory(trace, config)
-    if native is not None:
-        report["native"] = native
-    return report
+    return {"stored_tokens": tokens, "bytes": used, "bytes_per_token": round(used / max(1, tokens), 1)}
 
 
 def _malloc_in_use() -> int | None:
