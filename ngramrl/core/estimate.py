@@ -106,7 +106,9 @@ def continuation_estimates(sources: list[Source], levels: int, limit: int, exclu
             child = (single_state if single == token else -1) if children is None else children.get(token, -1)
             if child >= 0:
                 p += scale * count[child]
-        estimates.append((p, token))
+        # The levels' shares sum to at most 1, but their floating-point sum can pass it by an ulp
+        # (a long repetitive context, every level saying the same token): an estimate is a probability.
+        estimates.append((min(p, 1.0), token))
     if limit == 1:  # the same as the sort below, in one pass: the first of the largest wins
         top, top_p = -1, floor
         for p, token in estimates:

@@ -169,7 +169,8 @@ public:
                 }
                 for (int32_t lv = first; lv < end; ++lv) p += read_[lv].scale * static_cast<double>(counts_[lv]);
             }
-            estimates_.emplace_back(p, token);
+            // as in Python: the sum of the levels' shares can pass 1 by an ulp; an estimate is a probability
+            estimates_.emplace_back(std::min(p, 1.0), token);
         }
         if (limit == 1) {  // the first of the largest
             int32_t top = -1;
@@ -396,6 +397,7 @@ public:
                 for (int32_t lv = firsts[si]; lv < ranges_[si].end; ++lv)
                     p += read_[lv].scale * static_cast<double>(a[kids[lv]].count);
             }
+            p = std::min(p, 1.0);  // continuation_estimates' bound
             if (p > top_p) {  // the first of the largest
                 token_ = candidates_[c];
                 top_p = p;

@@ -884,3 +884,43 @@ def test_bad_estimates_token_ids_and_lengths_are_refused_before_anything_changes
         assert core.step([h], [3], [0, 1], [3]).tokens.tolist() == [4]  # the request goes on as it was
         core.prefetch([h], [4], [0, 1], [0.5], 0)  # k = 0: outcomes without drafts, as the reference's
         assert (core.collect().drafts.matched == 0).all()
+
+
+def test_estimates_on_long_repetitive_histories_stay_probabilities_in_both_cores():
+    """Rollouts that repeat one output thousands of tokens long: every suffix level says the same
+    token, and the sum of the levels' shares can pass 1 in floating point. Both cores' drafts keep
+    their estimates in [0, 1] (their own prefetch and the proposer's length choice refuse anything
+    else), and stay the same in both."""
+    trace = read_trace(next(p for p in builtin_traces() if "bfcl-smollm2-t0.6" in p))
+    prompt_ids = sorted({r.prompt_id for r in trace.rollouts})[:2]
+    rollouts = [r for r in trace.rollouts if r.prompt_id in prompt_ids]
+    long = {id(r): (r.output[:-1] * (6000 // max(1, len(r.output) - 1) + 1))[:6000] for r in rollouts}
+    ref, nat = pair(HistoryConfig(), DrafterConfig(stop_tokens=tuple(trace.header.eos_token_ids)),
+                    PrefetchConfig(budget=4))
+    for core in (ref, nat):
+        for r in rollouts:
+            if r.epoch < 3:
+                core.add_rollout(r.prompt_id, r.prompt, long[id(r)], r.epoch)
+    highest = 0.0
+    for r in [r for r in rollouts if r.epoch == 3]:
+        output = long[id(r)]
+        handles = [core.start(r.prompt_id, r.prompt, [], True) for core in (ref, nat)]
+        position, committed = 1, output[:1]
+        while position < len(output):
+            a, b = (core.step([h], committed, [0, len(committed)], [16])
+                    for core, h in zip((ref, nat), handles, strict=True))
+            same_drafts(a, b, f"{r.prompt_id} at {position}")
+            highest = max(highest, float(a.probs.max(initial=0.0)))
+            for core, h in zip((ref, nat), handles, strict=True):
+                core.prefetch([h], a.tokens, a.offsets, a.probs, 16, absorb=[h])
+                core.lengths(a.probs, a.offsets, 1.0, (1e-3, 1e-5, 0.0, 1e-6, 0), 0.0)
+                core.collect()
+            accepted = 0
+            while accepted < len(a.tokens) and position + accepted < len(output) \
+                    and a.tokens[accepted] == output[position + accepted]:
+                accepted += 1
+            committed = output[position:position + accepted + 1]
+            position += len(committed)
+        for core, h in zip((ref, nat), handles, strict=True):
+            core.finish(h)
+    assert 0.999 < highest <= 1.0  # the histories made drafts as certain as they come
