@@ -722,3 +722,58 @@ def test_bench_steps_windows_move_the_same_on_a_trace_cut_from_a_long_run():
         trace = Trace(header, [Rollout("a", first + epoch, 0, [1], [5, 2], "stop") for epoch in range(3)], "t")
         assert replay_history(trace, windows_move=True).epochs_kept == 2
         assert replay_history(trace, windows_move=False).epochs_kept == HistoryConfig().epochs_kept
+
+
+def test_project_replays_traces_whose_epochs_skip_one_and_whose_outputs_never_decode(tmp_path, capsys):
+    """Epochs 0, 2 and 5 (no epoch 1) are projected as the replay benchmark counts them; a trace
+    whose outputs are one token long decodes nothing, and its fastest step is then unknown."""
+    profile = tmp_path / "p.json"
+    assert main(["profile-gpu", "--roofline", "h100", "--model", "tiny", "--out", str(profile)]) == 0
+    gapped, short = tmp_path / "gapped.jsonl", tmp_path / "short.jsonl"
+    header = TraceHeader(vocab_size=100, eos_token_ids=[2])
+    write_trace(str(gapped), header, [Rollout("a", e, s, [1, 2], [10, 11, 12, 13, 2], "stop")
+                                      for e in (0, 2, 5) for s in range(2)])
+    write_trace(str(short), header, [Rollout("a", e, s, [1, 2], [10], "length") for e in (0, 1) for s in range(2)])
+    for trace, expected in ((gapped, 2 * 2), (short, 2)):
+        out = tmp_path / f"{trace.stem}.json"
+        assert main(["project", str(trace), "--profile", str(profile), "--engine-batch", "2", "--method", "ngramrl",
+                     "--cpu-scale", "0", "--json", str(out)]) == 0
+        data = json.loads(out.read_text())
+        none = next(r for r in data["runs"] if r["method"] == "none")
+        assert none["requests"] == expected and none["tokens_per_forward"] == 1.0
+    assert data["profile"]["fastest_step_ms"] is None  # the short trace's steps are all prefills
+
+
+def test_bench_steps_keeps_every_epoch_in_the_window_unless_told_to_move_it(tmp_path):
+    """Epochs 0 and 5: five apart, more than the default window's four epochs; each sample of
+    epoch 5 repeats the same sample of epoch 0, and the samples differ from each other. Without
+    --windows-move the replayed epoch drafts from epoch 0; with it, once epoch 0 is evicted,
+    from its own samples only."""
+    import random
+
+    from ngramrl.bench.bench_steps import replay_history
+
+    outputs = [[random.Random(s).randrange(10, 90) for _ in range(30)] + [2] for s in range(70)]
+    rollouts = [Rollout("a", e, s, [1, 2], outputs[s], "stop") for e in (0, 5) for s in range(70)]
+    trace_path = tmp_path / "far.jsonl"
+    write_trace(str(trace_path), TraceHeader(vocab_size=100, eos_token_ids=[2]), rollouts)
+    kept = replay_history(read_trace(str(trace_path)), windows_move=False)
+    assert kept.epochs_kept >= 6 and kept.rollouts_per_prompt >= 140
+    assert replay_history(read_trace(str(trace_path)), windows_move=True).epochs_kept == 5
+    found = {}
+    for moving in (False, True):
+        out = tmp_path / f"steps-{moving}.json"
+        assert main(["bench-steps", str(trace_path), "--batch", "4", "--method", "ngramrl", "--draft-always",
+                     "--flush-mb", "0", "--json", str(out), *(["--windows-move"] if moving else [])]) == 0
+        found[moving] = json.loads(out.read_text())["runs"][0]["tokens_per_forward"]
+    assert found[False] > 2.0 and found[False] > found[True]
+
+
+def test_bench_steps_refuses_a_trace_whose_last_epoch_has_no_output_before_any_work(tmp_path, capsys, monkeypatch):
+    good = small_trace(tmp_path / "toy.jsonl.gz")
+    bad = tmp_path / "bad.jsonl"
+    write_trace(str(bad), TraceHeader(vocab_size=100, eos_token_ids=[2]),
+                [Rollout("a", e, 0, [1, 2], [10, 11, 2] if e < 2 else [], "stop") for e in range(3)])
+    no_steps(monkeypatch)
+    assert main(["bench-steps", good, str(bad), "--batch", "2"]) == 2
+    assert f"{bad}: nothing to replay: bench-steps replays the last epoch (2)" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -193,11 +194,18 @@ def replay_history(trace: Trace, windows_move: bool) -> HistoryConfig:
     the epochs before the replayed one only (counted from the trace's first: a trace cut from a
     long run may start at any epoch): each prompt's first finished rollout evicts its oldest
     epoch's, as in an RL run once every prompt has more epochs than the window keeps (its index
-    is rebuilt, once per epoch)."""
-    if not windows_move:
-        return HistoryConfig()
+    is rebuilt, once per epoch). Without it the window holds every epoch and every rollout of
+    the trace (at least the default's), however far apart its epoch numbers are: no window moves."""
     epochs = [r.epoch for r in trace.rollouts]
-    return HistoryConfig(epochs_kept=max(1, max(epochs) - min(epochs)))
+    span = max(epochs) - min(epochs)
+    if windows_move:
+        return HistoryConfig(epochs_kept=max(1, span))
+    default = HistoryConfig()
+    per_prompt = Counter(r.prompt_id for r in trace.rollouts)
+    stored = sum(default.prompt_tail + 1 + len(r.output) for r in trace.rollouts)
+    return HistoryConfig(epochs_kept=max(default.epochs_kept, span + 1),
+                         rollouts_per_prompt=max(default.rollouts_per_prompt, max(per_prompt.values())),
+                         max_tokens=max(default.max_tokens, 2 * stored))
 
 
 def default_profile(k: int) -> StepProfile:
@@ -208,6 +216,11 @@ def run_bench_steps(config: BenchStepsConfig, log: Callable[[str], None] = print
     inputs = [*config.traces, *([config.profile] if config.profile else [])]
     config.json_out = OutputPaths(inputs=inputs).file(config.json_out, "--json")
     traces = load_traces(config.traces)  # every one read and checked for epochs to replay before any work starts
+    for trace in traces:
+        last = max(r.epoch for r in trace.rollouts)
+        if not any(r.output for r in trace.rollouts if r.epoch == last):
+            raise ValueError(f"{trace.path}: nothing to replay: bench-steps replays the last epoch ({last}), and "
+                             f"every one of its rollouts has an empty output")
     profile = load_profile(config.profile) if config.profile else default_profile(config.k)
     skipped = {m: why for m in config.methods if (why := method_available(m))}
     for method, why in skipped.items():

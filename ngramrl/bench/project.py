@@ -18,6 +18,7 @@ verified against the recorded rollouts. JSON: docs/bench-contract.md.
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 import statistics
@@ -106,7 +107,7 @@ def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -
     def write(partial: bool) -> None:
         # after every run: a projection that is stopped leaves what it finished
         if config.json_out:
-            summary["fastest_step_ms"] = round(fastest, 4) if runs else None
+            summary["fastest_step_ms"] = round(fastest, 4) if math.isfinite(fastest) else None
             result = {"ngramrl_project": PROJECT_VERSION, "note": BANNER, "profile": summary, "machine": machine,
                       "runs": runs}
             if partial:
@@ -126,8 +127,8 @@ def run_project(config: ProjectConfig, log: Callable[[str], None] = print_now) -
         done[index] = unit_runs
         runs[:] = [run for i in sorted(done) for run in done[i]]  # in the order asked, whatever finished first
         write(partial=True)
-    summary["fastest_step_ms"] = round(fastest, 4) if runs else None
-    if profile.floor_ms is not None and runs and fastest < profile.floor_ms:
+    summary["fastest_step_ms"] = round(fastest, 4) if math.isfinite(fastest) else None
+    if profile.floor_ms is not None and fastest < profile.floor_ms:
         log(f"project: WARNING: a step took {fastest:.3f} ms, less than reading the weights once at the device's "
             f"bandwidth ({profile.floor_ms:.3f} ms): the profile is not physical")
     write(partial=False)
@@ -158,7 +159,9 @@ def project_unit(trace: Trace, batch: int, methods: list[str], skipped: dict, pr
                  config: ProjectConfig) -> tuple[list[dict], float]:
     """One trace's rollout phases at engine batch ``batch``, every method, no speculation first:
     the runs and the fastest decode step's milliseconds."""
-    copies = config.copies or copies_for(trace, 1, batch)
+    # the phases are the epochs the replay benchmark counts (1 and later); copies fill the first
+    first = min(r.epoch for r in trace.rollouts if r.epoch >= 1 and r.output)
+    copies = config.copies or copies_for(trace, first, batch)
     workload = prepare_workload(trace, 1, copies)
     reference, fastest, runs = None, float("inf"), []
     for method in methods:
@@ -176,7 +179,8 @@ def project_unit(trace: Trace, batch: int, methods: list[str], skipped: dict, pr
         finally:
             engine.close()
         seconds = sum(r.seconds(engine.synchronous) for r in records)
-        fastest = min(fastest, min(r.forward_s for r in records if r.decode_rows) * 1000.0)
+        # (a trace whose outputs are one token long decodes nothing: every step is a prefill)
+        fastest = min(fastest, min((r.forward_s for r in records if r.decode_rows), default=math.inf) * 1000.0)
         if method == "none":
             reference = seconds
         runs.append({"trace": trace.path, "method": method, "engine_batch": batch,

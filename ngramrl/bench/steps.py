@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ngramrl.bench.replay import accepted_prefix
+from ngramrl.core.history import MAX_TOKEN_ID
 from ngramrl.core.profile import HostOverhead
 from ngramrl.core.trace import Rollout, Trace
 from ngramrl.engine.standin import StandInRunner
@@ -111,10 +112,13 @@ class PhaseRequest:
 @dataclass
 class Workload:
     """A trace made ready for rollout phases: the history before the first replayed epoch and one
-    phase of requests per replayed epoch. Where the trace has fewer rollouts per epoch than a
-    phase needs, its prompts are copied: copy c of a prompt is a new prompt whose token ids (but
-    the end-of-sequence ones) are shifted by c times the vocabulary, so that no copy ever drafts
-    from another copy's tokens; every copy has the same history and rollouts as the original."""
+    phase of requests per replayed epoch (a rollout with an empty output has no token to sample and
+    makes no request). Where the trace has fewer rollouts per epoch than a phase needs, its prompts
+    are copied: copy c of a prompt is a new prompt, its id the original's with a suffix no id of the
+    trace has, whose token ids (but the end-of-sequence ones) are the trace's distinct ids renumbered
+    into the c-th block above the vocabulary (32-bit ids however large the vocabulary), so that no
+    copy ever drafts from another copy's tokens; every copy has the same history and rollouts as
+    the original."""
 
     history: list[Rollout]
     phases: list[list[PhaseRequest]]
@@ -126,17 +130,27 @@ def prepare_workload(trace: Trace, first_epoch: int, copies: int = 1, last_epoch
     if copies < 1:
         raise ValueError(f"copies must be >= 1, got {copies}")
     keep = frozenset(trace.header.eos_token_ids)
-    vocab = max(trace.header.vocab_size,
-                1 + max((max(r.prompt + r.output, default=0) for r in trace.rollouts), default=0))
+    distinct = sorted({t for r in trace.rollouts for t in (*r.prompt, *r.output)} - keep)
+    dense = {token: i for i, token in enumerate(distinct)}
+    base = max(trace.header.vocab_size, 1 + max(distinct, default=0), 1 + max(keep, default=0))
+    if base + (copies - 1) * len(distinct) - 1 > MAX_TOKEN_ID:
+        raise ValueError(f"{trace.path}: {copies} copies of its {len(distinct)} distinct token ids above its "
+                         f"vocabulary of {base} would pass the 32-bit token ids engines take; replay a smaller "
+                         f"batch or pass fewer copies")
 
     def shifted(tokens: list[int], copy: int) -> list[int]:
         if copy == 0:
             return list(tokens)
-        offset = copy * vocab
-        return [t if t in keep else t + offset for t in tokens]
+        offset = base + (copy - 1) * len(distinct)
+        return [t if t in keep else offset + dense[t] for t in tokens]
+
+    ids = {r.prompt_id for r in trace.rollouts}
+    marker = "~"
+    while any(f"{prompt_id}{marker}{copy}" in ids for prompt_id in ids for copy in range(1, copies)):
+        marker += "~"
 
     def named(prompt_id: str, copy: int) -> str:
-        return prompt_id if copy == 0 else f"{prompt_id}~{copy}"
+        return prompt_id if copy == 0 else f"{prompt_id}{marker}{copy}"
 
     epochs = sorted({r.epoch for r in trace.rollouts if r.epoch >= first_epoch
                      and (last_epoch is None or r.epoch <= last_epoch)})
@@ -146,7 +160,7 @@ def prepare_workload(trace: Trace, first_epoch: int, copies: int = 1, last_epoch
                        r.finish_reason) for c in range(copies) for r in trace.rollouts if r.epoch < first_epoch]
     phases = []
     for epoch in epochs:
-        rollouts = [r for r in trace.rollouts if r.epoch == epoch]
+        rollouts = [r for r in trace.rollouts if r.epoch == epoch and r.output]
         phases.append([PhaseRequest(f"{named(r.prompt_id, c)}/{epoch}/{r.sample}", named(r.prompt_id, c), epoch,
                                     shifted(r.prompt, c), shifted(r.output, c))
                        for c in range(copies) for r in rollouts])
@@ -155,9 +169,9 @@ def prepare_workload(trace: Trace, first_epoch: int, copies: int = 1, last_epoch
 
 def copies_for(trace: Trace, epoch: int, requests: int) -> int:
     """Copies of the trace's prompts that give a phase of ``epoch`` at least ``requests`` requests."""
-    per_epoch = sum(1 for r in trace.rollouts if r.epoch == epoch)
+    per_epoch = sum(1 for r in trace.rollouts if r.epoch == epoch and r.output)
     if per_epoch == 0:
-        raise ValueError(f"{trace.path}: no rollouts of epoch {epoch}")
+        raise ValueError(f"{trace.path}: no rollout of epoch {epoch} has an output token to replay")
     return max(1, math.ceil(requests / per_epoch))
 
 

@@ -241,3 +241,47 @@ def test_step_statistics_count_the_steps_with_the_batch_full():
     assert summary.steps == 2 and summary.step_us_median == pytest.approx(200)
     assert summary.request_us_mean == pytest.approx(50)
     assert summary.tokens_per_forward == pytest.approx(1.0)
+
+
+def test_copies_take_ids_no_prompt_of_the_trace_has_and_stay_32_bit_however_large_the_vocabulary():
+    """A trace whose prompt ids already look like copies ("p0~1") keeps them apart from the copies
+    it gets, and a vocabulary of 1.5 billion ids still gives copies 32-bit token ids (the
+    trace's distinct ids renumbered above it), each copy a renumbering of the original."""
+    trace = toy_trace()
+    for rollout in trace.rollouts:
+        if rollout.prompt_id == "p1":
+            rollout.prompt_id = "p0~1"
+    trace.header.vocab_size = 1_500_000_000
+    workload = prepare_workload(trace, first_epoch=2, copies=3)
+    by_id: dict[str, list[PhaseRequest]] = {}
+    for request in workload.phases[0]:
+        by_id.setdefault(request.prompt_id, []).append(request)
+    assert len(by_id) == 2 * 3 and all(len(requests) == 2 for requests in by_id.values())
+    assert len({r.req_id for r in workload.phases[0]}) == 3 * 4
+    tokens = [t for r in workload.phases[0] + workload.history for t in (*r.prompt, *r.output)]
+    assert 1_500_000_000 <= max(tokens) < 2**31
+    originals = {(r.prompt_id, r.req_id.rsplit("/", 1)[1]): r for r in workload.phases[0]
+                 if r.prompt_id in ("p0", "p0~1")}
+    copies = [r for r in workload.phases[0] if r.prompt_id not in ("p0", "p0~1")]
+    assert len(copies) == 2 * 4
+    for copy in copies:
+        of = max((prompt_id for prompt_id in ("p0", "p0~1") if copy.prompt_id.startswith(prompt_id + "~")), key=len)
+        source = originals[(of, copy.req_id.rsplit("/", 1)[1])]
+        renumbering = dict(zip(source.output, copy.output, strict=True))
+        assert len(renumbering) == len(set(renumbering.values())) == len(set(source.output))
+        assert renumbering[2] == 2 and all(new >= 1_500_000_000 for old, new in renumbering.items() if old != 2)
+
+
+def test_copies_that_would_pass_32_bit_token_ids_are_refused():
+    trace = toy_trace()
+    trace.header.vocab_size = 2**31 - 10
+    with pytest.raises(ValueError, match="32-bit token ids"):
+        prepare_workload(trace, first_epoch=2, copies=3)
+
+
+def test_a_rollout_without_output_makes_no_request():
+    trace = toy_trace()
+    trace.rollouts[-1].output = []
+    workload = prepare_workload(trace, first_epoch=2, copies=2)
+    assert len(workload.phases[0]) == 2 * 3 and all(r.output for r in workload.phases[0])
+    assert copies_for(trace, 2, 6) == 2  # three rollouts of epoch 2 can be replayed
