@@ -180,8 +180,10 @@ def _to_trace(args: argparse.Namespace) -> int:
     header = trace_header(rollouts, tokenizer, model_dir, name=args.tokenizer)
     write_trace(args.out, header, rollouts)
     epochs = sorted({r.epoch for r in rollouts})
+    # the warm replay needs an earlier epoch to draft from; one step's rollouts replay as siblings only
+    replay = f"ngramrl bench {args.out} --k 16" + (" --regime siblings" if len(epochs) == 1 else "")
     print(f"wrote {args.out}: {len(rollouts)} rollouts of {len({r.prompt_id for r in rollouts})} prompts over "
-          f"{len(epochs)} epochs; replay it with: ngramrl bench {args.out} --k 16")
+          f"{len(epochs)} epoch{'s' if len(epochs) != 1 else ''}; replay it with: {replay}")
     return 0
 
 

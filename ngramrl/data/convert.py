@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ngramrl.core.history import MAX_TOKEN_ID
 from ngramrl.core.trace import Rollout, TraceHeader, is_gzip
 
 
@@ -45,6 +46,7 @@ class _Record:
     prompt: list[int]
     output: list[int]
     reward: float | None
+    where: str  # file:line
 
 
 def _tokens(value: Any, tokenizer: Any, what: str, path: str, line: int) -> list[int]:
@@ -52,9 +54,11 @@ def _tokens(value: Any, tokenizer: Any, what: str, path: str, line: int) -> list
         if tokenizer is None:
             raise RolloutsError(path, line, f"{what} is text: give --tokenizer to turn it into token ids")
         return list(tokenizer(value, add_special_tokens=False)["input_ids"])
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID
+                                       for t in value):
         return value
-    raise RolloutsError(path, line, f"{what} must be text or a list of token ids >= 0, got {str(value)[:80]!r}")
+    raise RolloutsError(path, line, f"{what} must be text or a list of token ids in [0, 2^31) (32-bit, as engines "
+                                    f"take them), got {str(value)[:80]!r}")
 
 
 def _open(path: str) -> Any:
@@ -87,23 +91,27 @@ def read_logged_rollouts(paths: list[str], keys: RolloutKeys, tokenizer: Any = N
                 prompt = _tokens(record[keys.prompt], tokenizer, keys.prompt, path, line_number)
                 output = _tokens(record[keys.output], tokenizer, keys.output, path, line_number)
                 if keys.prompt_id is not None:
-                    prompt_id = str(record[keys.prompt_id])
+                    prompt_id = record[keys.prompt_id]
+                    if isinstance(prompt_id, bool) or not isinstance(prompt_id, (str, int)):
+                        raise RolloutsError(path, line_number, f"{keys.prompt_id} must be a string or an integer "
+                                                               f"(the prompt's id), got {prompt_id!r}")
+                    prompt_id = str(prompt_id)
                 else:  # the same prompt, the same id: hashed from its tokens
                     prompt_id = "p-" + hashlib.sha1(json.dumps(prompt).encode()).hexdigest()[:16]
                 reward = record.get(keys.reward) if keys.reward else None
                 if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
                     reward = None
-                records.append(_Record(prompt_id, epoch, prompt, output, reward))
+                records.append(_Record(prompt_id, epoch, prompt, output, reward, f"{path}:{line_number}"))
     if not records:
         raise ValueError(f"no rollouts in {', '.join(paths)}")
     first = min(r.epoch for r in records)
-    prompts: dict[str, list[int]] = {}
+    prompts: dict[str, _Record] = {}
     samples: dict[tuple[str, int], int] = {}
     rollouts = []
     for r in records:
-        if prompts.setdefault(r.prompt_id, r.prompt) != r.prompt:
-            raise ValueError(f"prompt id {r.prompt_id!r} names two different prompts (a trace's prompt id is one "
-                             f"prompt)")
+        if prompts.setdefault(r.prompt_id, r).prompt != r.prompt:
+            raise ValueError(f"{r.where}: prompt id {r.prompt_id!r} names another prompt than at "
+                             f"{prompts[r.prompt_id].where} (a trace's prompt id is one prompt)")
         sample = samples.get((r.prompt_id, r.epoch), 0)
         samples[(r.prompt_id, r.epoch)] = sample + 1
         rollouts.append(Rollout(r.prompt_id, r.epoch - first, sample, r.prompt, r.output, reward=r.reward))

@@ -70,6 +70,7 @@ def test_workload_falls_back_to_file_name_without_its_extensions(tmp_path, name,
         ([json.dumps(HEADER), rollout_line(reward=float("nan"))], 2, "'reward' must be a number, got nan"),
         ([json.dumps({**HEADER, "temperature": float("inf")})], 1, "'temperature' must be a number"),
         ([json.dumps({**HEADER, "vocab_size": 0})], 1, "vocab_size"),
+        ([json.dumps({**HEADER, "vocab_size": 2**31 + 1})], 1, "vocab_size' must be at most 2^31, got 2147483649"),
         ([json.dumps({**HEADER, "eos_token_ids": 2})], 1, "eos_token_ids"),
     ],
 )

@@ -49,6 +49,13 @@ def test_veRL_dumps_become_a_trace_that_bench_replays(tiny_model_dir, tmp_path, 
                                                 for i in (0, 1)}
     assert {r.reward for r in trace.rollouts} == {0.0, 1.0}
     assert main(["bench", out, "--method", "ngramrl", "--method", "pld", "--k", "4", "--no-progress"]) == 0
+    capsys.readouterr()
+    one_step = str(tmp_path / "one-step.jsonl.gz")
+    assert main(["to-trace", files[0], "--tokenizer", tiny_model_dir, "--out", one_step]) == 0
+    printed = capsys.readouterr().out
+    hint = printed.split("replay it with: ")[1].split()
+    assert "over 1 epoch;" in printed and hint[-2:] == ["--regime", "siblings"]
+    assert main([*hint[1:], "--no-progress"]) == 0  # the hint it gives works on what it wrote
 
 
 def test_token_ids_need_no_tokenizer_and_keys_can_be_named(tmp_path):
@@ -70,9 +77,14 @@ def test_token_ids_need_no_tokenizer_and_keys_can_be_named(tmp_path):
     (['{"input": "a", "output": "b", "step": 1}'], ["--no-tokenizer"],
      "bad.jsonl:1: input is text: give --tokenizer"),
     (['{"input": [1, -2], "output": [3], "step": 1}'], ["--no-tokenizer"],
-     "bad.jsonl:1: input must be text or a list of token ids >= 0"),
+     "bad.jsonl:1: input must be text or a list of token ids in [0, 2^31)"),
+    (['{"input": [1], "output": [2147483648], "step": 1}'], ["--no-tokenizer"],
+     "bad.jsonl:1: output must be text or a list of token ids in [0, 2^31)"),
     (['{"input": [1], "output": [3], "step": 1, "id": "x"}', '{"input": [2], "output": [3], "step": 1, "id": "x"}'],
-     ["--no-tokenizer", "--prompt-id-key", "id"], "prompt id 'x' names two different prompts"),
+     ["--no-tokenizer", "--prompt-id-key", "id"],
+     "bad.jsonl:2: prompt id 'x' names another prompt than at bad.jsonl:1"),
+    (['{"input": [1], "output": [3], "step": 1, "id": null}'], ["--no-tokenizer", "--prompt-id-key", "id"],
+     "bad.jsonl:1: id must be a string or an integer (the prompt's id), got None"),
     (['{"input": [1], "output": [9999], "step": 1}'], [], "token id 9999 is outside the tokenizer's vocabulary"),
 ])
 def test_a_bad_rollout_is_named_by_file_and_line_and_nothing_is_written(tiny_model_dir, tmp_path, capsys,
