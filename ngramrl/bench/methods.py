@@ -177,9 +177,10 @@ class ReferenceMethod:
             self._ceiling.add(rollouts)
 
     def start(self, rollout: Rollout) -> None:
-        # register=False: a prompt no earlier epoch has is not known when its rollout starts.
+        # A prompt no earlier epoch has drafts from its own output and the other prompts' rollouts,
+        # as in an engine; ``finish`` leaves nothing of it behind.
         self.request = self.drafter.start(f"{rollout.prompt_id}/{rollout.epoch}/{rollout.sample}",
-                                          rollout.prompt_id, rollout.prompt, register=False)
+                                          rollout.prompt_id, rollout.prompt)
         self._remaining = len(rollout.output)
         self._outcome = None
         self._prefetched = {}
@@ -401,8 +402,9 @@ class NgramRLMethod:
             self._ceiling.add(rollouts)
 
     def start(self, rollout: Rollout) -> None:
-        # register=False: a prompt no earlier epoch has is not known when its rollout starts.
-        self._handle = self.core.start(rollout.prompt_id, rollout.prompt, [], register=False)
+        # A prompt no earlier epoch has drafts from its own output and the other prompts' rollouts,
+        # as in an engine; ``finish`` leaves nothing of it behind.
+        self._handle = self.core.start(rollout.prompt_id, rollout.prompt, [], register=True)
         self._remaining = len(rollout.output)
         self._draft = None
         self._ranks = {}

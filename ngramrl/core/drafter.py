@@ -91,9 +91,9 @@ class NgramDrafter:
         """A request starts (``output``: tokens it already generated). A prompt never seen is added
         to the history now, so its request drafts from its own output and its siblings' at once,
         and its finished rollouts become history (``finish`` with an epoch). ``register=False``
-        leaves an unknown prompt out: its request drafts nothing and leaves nothing behind (the
-        replay benchmark's rule: a rollout sees only earlier epochs, so a prompt first met in it
-        has nothing to draft from). A request id may be in flight only once."""
+        leaves an unknown prompt out: its request drafts nothing and leaves nothing behind (for a
+        caller whose requests may draft only from the prompts it gave history for). A request id
+        may be in flight only once."""
         if not isinstance(request_id, str) or not isinstance(prompt_id, str):
             raise ValueError(f"request and prompt ids must be strings, got {request_id!r} and {prompt_id!r}")
         request = RequestState(request_id, prompt_id, token_ids(prompt, "prompt"), token_ids(output or [], "output"))

@@ -194,14 +194,22 @@ def test_known_j_counts_b_among_the_likeliest_tokens_after_the_true_j():
     assert found == {1: 0, 2: 1}
 
 
-def test_a_prompt_first_met_in_a_replayed_epoch_drafts_nothing():
-    """The replay's rule for ngramrl: a prompt with no earlier epoch is not known, so its rollout
-    drafts nothing, not even from its own repeating output (the drafter's default, registering
-    new prompts, is for live use)."""
-    loop = [300, 301, 302, 303] * 10
-    rollouts = [Rollout("a", 0, 0, [1, 5, 6], list(range(100, 120))), Rollout("new", 1, 0, [1, 7, 8], loop)]
-    result = replay(toy_trace(rollouts), make_method("ngramrl"), 8)
-    assert result.forwards == result.tokens == len(loop)
+@pytest.mark.parametrize("name", ["ngramrl", "ngramrl-tree"])
+def test_a_prompt_first_met_in_a_replayed_epoch_drafts_from_its_own_output_only(name):
+    """A prompt no earlier epoch has drafts as in an engine, from its own output (a loop) and the
+    other prompts' rollouts, and never from a sibling of its own epoch: two identical samples
+    without repeats take a forward per token each, and a sample that loops drafts its loop."""
+    plain = list(range(300, 340))
+    loop = [400, 401, 402, 403] * 10
+    rollouts = [Rollout("a", 0, 0, [1, 5, 6], list(range(100, 120)))]
+    rollouts += [Rollout("new", 1, s, [1, 7, 8], out) for s, out in enumerate([plain, plain, loop])]
+    per_rollout = []
+    result = replay(toy_trace(rollouts), make_method(name), 8,
+                    on_step=lambda d, a, r, p: per_rollout.append((r.sample, min(a + 1, len(r.output) - p))))
+    steps = {s: sum(1 for sample, _ in per_rollout if sample == s) for s in range(3)}
+    assert steps[0] == steps[1] == len(plain)  # nothing of sample 0 reached sample 1
+    assert steps[2] < len(loop) / 2
+    assert result.tokens == 2 * len(plain) + len(loop)
 
 
 def test_tree_method_learns_acceptance_from_every_child_verification_reached():
