@@ -134,6 +134,16 @@ class CoverageTally:
     def value(self, budget: int) -> float:
         return self.hits.get(budget, 0) / self.steps if self.steps else 0.0
 
+    def count_step(self, rank: int | None, ceiling: _BigramHistory, tokens: list[int]) -> None:
+        """A step after which a next draft is needed: its outcome was the ``rank``-th predicted
+        (None: not predicted), and the ceiling's question for its emitted token."""
+        self.steps += 1
+        for budget in self.budgets:
+            if rank is not None and rank < budget:
+                self.hits[budget] = self.hits.get(budget, 0) + 1
+        context_last = tokens[-2] if len(tokens) > 1 else ceiling.last
+        self.ceiling_hits += ceiling.seen(context_last, tokens[-1])
+
     @property
     def ceiling(self) -> float:
         return self.ceiling_hits / self.steps if self.steps else 0.0
@@ -229,13 +239,8 @@ class ReferenceMethod:
             self.measuring_ns += time.perf_counter_ns() - begin
         self._states = None
         if remaining > 0:  # the rollout goes on, so a next draft is needed
-            self.tally.steps += 1
             rank = next((i for i, o in enumerate(self._outcomes) if o.key == (accepted, tokens[-1])), None)
-            for budget in self.tally.budgets:
-                if rank is not None and rank < budget:
-                    self.tally.hits[budget] = self.tally.hits.get(budget, 0) + 1
-            context_last = tokens[-2] if len(tokens) > 1 else self._ceiling.last
-            self.tally.ceiling_hits += self._ceiling.seen(context_last, tokens[-1])
+            self.tally.count_step(rank, self._ceiling, tokens)
             if self.tally.known_j_budget:
                 self.tally.known_j_hits += accepted < len(self._known_j) and tokens[-1] in self._known_j[accepted]
         self._ceiling.extend(tokens)
@@ -435,14 +440,7 @@ class NgramRLMethod:
     def commit(self, tokens: list[int]) -> None:
         self._remaining -= len(tokens)
         if self._draft is not None and self.tally.budgets and self._remaining > 0:  # a next draft is needed
-            tally = self.tally
-            tally.steps += 1
-            rank = self._ranks.get((len(tokens) - 1, tokens[-1]))
-            for budget in tally.budgets:
-                if rank is not None and rank < budget:
-                    tally.hits[budget] = tally.hits.get(budget, 0) + 1
-            context_last = tokens[-2] if len(tokens) > 1 else self._ceiling.last
-            tally.ceiling_hits += self._ceiling.seen(context_last, tokens[-1])
+            self.tally.count_step(self._ranks.get((len(tokens) - 1, tokens[-1])), self._ceiling, tokens)
         if self.tally.budgets:
             self._ceiling.extend(tokens)
         self._committed = tokens
