@@ -31,6 +31,7 @@ import numpy as np
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.cost import StepCostModel, drafting_pays
+from ngramrl.core.history import MAX_TOKEN_ID
 from ngramrl.core.rows import CommittedRows, DraftBatch, batch_ranks, committed_rows, recycled_lists
 from ngramrl.engine.sources import CoreSource, DraftSource, StepRows
 
@@ -723,17 +724,19 @@ class NgramRLProposer:
             if prompt_id is None or prompt is None:
                 continue
             epoch = extra.get("epoch", 0)
-            if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 2**63:
                 # raised later, at its end, this would stop the engine: it drafts without a history
-                logger.warning("ngramrl: request %s: extra_args epoch must be an integer >= 0, got %r; it gets no "
-                               "drafts and enters no history", req_id, epoch)
+                logger.warning("ngramrl: request %s: extra_args epoch must be an integer in [0, 2^63), got %r; it "
+                               "gets no drafts and enters no history", req_id, epoch)
                 continue
             produced = getattr(cached, "output_token_ids", None) or []
             before = produced[: max(0, len(produced) - len(tokens))]  # tokens from before this step
             max_tokens = getattr(params, "max_tokens", None)
             if isinstance(max_tokens, int) and len(prompt) + max_tokens < self.max_model_len:
                 self._ends[req_id] = len(prompt) + max_tokens
-            own_stops = set(getattr(params, "stop_token_ids", None) or ()) - set(self.drafter_config.stop_tokens)
+            # (vLLM takes any integer as a stop id; one past the 32-bit ids no token has can never match)
+            own_stops = ({t for t in getattr(params, "stop_token_ids", None) or () if 0 <= t <= MAX_TOKEN_ID}
+                         - set(self.drafter_config.stop_tokens))
             if own_stops:
                 self._stops[req_id] = np.array(sorted(own_stops), dtype=np.int64)
                 self._all_stops = None

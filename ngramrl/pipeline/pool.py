@@ -363,7 +363,7 @@ class ShardHandles:
             return self.handles[shard]
         try:
             handle = self.ray.get_actor(self.settings.names[shard], namespace=self.settings.namespace)
-        except ValueError:  # not (yet) rebuilt by the pool
+        except (ValueError, self.ray.exceptions.RayError):  # not (yet) rebuilt by the pool, or Ray unreachable
             self.handles[shard] = None
             self._retry_at[shard] = time.monotonic() + self.settings.retry_after_s
             return None

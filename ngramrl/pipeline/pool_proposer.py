@@ -200,7 +200,10 @@ class PoolSource(CoreSource):
                 by_shard.setdefault(shard_of(prompt_id, len(self.shards)), {})[prompt_id] = prompt
         refs = [ref for shard, asked in by_shard.items() if (ref := self._ask(shard, asked)) is not None]
         if refs and wait_s > 0:
-            self.ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+            try:
+                self.ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+            except self.ray_error:  # Ray itself failing: what came back is taken, the rest later or never
+                self.client.errors += 1
             self._take_answers()
 
     def _ask(self, shard: int, prompts: dict[str, list[int]]) -> Any | None:
@@ -231,7 +234,11 @@ class PoolSource(CoreSource):
     def _take_answers(self) -> None:
         if not self.syncs:
             return
-        ready, _ = self.ray.wait([sync.ref for sync in self.syncs], num_returns=len(self.syncs), timeout=0)
+        try:
+            ready, _ = self.ray.wait([sync.ref for sync in self.syncs], num_returns=len(self.syncs), timeout=0)
+        except self.ray_error:  # generation never stops for the pool: the answers wait for a later step
+            self.client.errors += 1
+            return
         ready_set = set(ready)
         waiting = []
         for sync in self.syncs:

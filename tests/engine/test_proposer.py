@@ -356,13 +356,16 @@ def test_a_request_whose_epoch_is_no_epoch_is_left_out_of_the_history_and_the_en
     proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), adaptive_length=False,
                                         drafter=DrafterConfig(use_global=False))
     proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 102, 103, 104, 105], epoch=0)
-    for req_id, epoch in (("good", 1), ("negative", -1), ("text", "one")):
+    # vLLM takes extra_args integers up to 2^64 - 1; past 2^63 - 1 the native core's epochs cannot hold them
+    for req_id, epoch in (("good", 1), ("negative", -1), ("text", "one"), ("huge", 2**64 - 1)):
         runner.add(req_id, "p", [1, 2, 3], epoch=epoch)
-    assert proposer.propose([[100], [100], [100]], [4] * 3, None) == [[101, 102, 103, 104], [], []]
-    assert "request negative: extra_args epoch must be an integer >= 0, got -1" in caplog.text
-    for req_id in ("good", "negative", "text"):
+    assert proposer.propose([[100]] * 4, [4] * 4, None) == [[101, 102, 103, 104], [], [], []]
+    assert "request negative: extra_args epoch must be an integer in [0, 2^63), got -1" in caplog.text
+    assert f"request huge: extra_args epoch must be an integer in [0, 2^63), got {2**64 - 1}" in caplog.text
+    for req_id in ("good", "negative", "text", "huge"):
         runner.remove(req_id)
-    proposer.propose([], [], None)
+    proposer.propose([], [], None)  # they end: the good one a rollout, the others nothing
+    assert proposer.stats.finished_rollouts == 1
     assert proposer.stats.finished_rollouts == 1
 
 
@@ -444,7 +447,8 @@ def test_drafts_are_verified_only_up_to_a_requests_own_stop_token(monkeypatch):
     runner = StandInRunner()
     proposer.bind_runner(runner)
     proposer.core.add_rollout("p", [1, 2, 3], [100, 101, 77, 300, 301, 302, 303], epoch=0)
-    runner.add("own", "p", [1, 2, 3], epoch=1).sampling_params.stop_token_ids = [77, 2]
+    # (a stop id past the 32-bit token ids, which vLLM takes, can never match: it is left out)
+    runner.add("own", "p", [1, 2, 3], epoch=1).sampling_params.stop_token_ids = [77, 2, 2**64 - 1]
     runner.add("plain", "p", [1, 2, 3], epoch=1)
     assert proposer.propose([[100], [100]], [4, 4], None) == [[101, 77], [101, 77, 300, 301, 302, 303]]
     runner.remove("own")

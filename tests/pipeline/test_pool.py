@@ -579,3 +579,26 @@ def test_a_prompt_no_generate_call_names_keeps_ended_outputs_while_a_sibling_run
     assert source.core.lookup_context("p", PROMPT, [30, 31], 3).tokens == []
     assert ended_outputs_held(source.core, "p") == 0 and source.core.rollout_count("p") == 3
     assert not source.lingering
+
+
+def test_ray_itself_failing_never_stops_a_generate_call(fake_ray):
+    """Ray's own calls can fail with other errors than a dead actor's (its control service timing
+    out, an RPC failing): the lookup of a shard, the wait for its answers. The engine's calls go
+    on, the prompts drafting from what the copies hold, and the next call syncs again."""
+    fake_ray.actors["s0"] = FakeShardActor(shard_with_history())
+    source = fake_source(["s0"], retry_after_s=0.0)
+    looked_up, waited = fake_ray.get_actor, fake_ray.wait
+
+    def unreachable(*args, **kwargs):
+        raise FakeRayError("the GCS did not answer in time")
+
+    fake_ray.get_actor = unreachable
+    source.new_batch({"p": PROMPT})  # the lookup fails: the shard counts as down for now
+    assert source.client.down_prompts == 1 and source.core.rollout_count("p") == 0
+    fake_ray.get_actor, fake_ray.wait = looked_up, unreachable
+    source.new_batch({"p": PROMPT})  # the sync is sent; waiting for it fails
+    source.begin_step()  # and so does looking for its answer at the next step
+    assert source.client.errors == 3 and source.core.rollout_count("p") == 0  # the wait, its take, the step's
+    fake_ray.wait = waited
+    source.begin_step()  # Ray answers again: the answer that was out enters
+    assert source.core.rollout_count("p") == 3
