@@ -165,7 +165,9 @@ class ReferenceCore:
         self.cores = frozenset(cores)  # nothing runs beside the caller here: kept for the interface
         # With ``follow``, every draft made calibrates acceptance by following the committed tokens.
         self.follower = DraftFollower(self.calibration) if follow else None
-        self._requests: list[RequestState | None] = []
+        # The live requests by handle; handles keep rising (they rank the requests by arrival).
+        self._requests: dict[int, RequestState] = {}
+        self._next_handle = 0
         # (handle, j, b) -> the next draft, the stamp of what its lookup read, and the request as
         # that lookup left it (its match states caught up over the outcome's tokens)
         self._cache: dict[tuple[int, int, int], tuple[Draft, tuple, RequestState]] = {}
@@ -240,9 +242,10 @@ class ReferenceCore:
                    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True))]
         handles = []
         for prompt_id, (prompt, output) in zip(prompt_ids, checked, strict=True):
-            handles.append(len(self._requests))
-            self._requests.append(self.drafter.start(str(handles[-1]), str(prompt_id), prompt, output,
-                                                     register=register))
+            handles.append(self._next_handle)
+            self._next_handle += 1
+            self._requests[handles[-1]] = self.drafter.start(str(handles[-1]), str(prompt_id), prompt, output,
+                                                             register=register)
         return handles
 
     def finish(self, handle: int, epoch: int | None = None, linger: bool = False) -> None:
@@ -267,7 +270,7 @@ class ReferenceCore:
                                 linger=linger)
             if self.follower is not None:
                 self.follower.drop(handle)
-            self._requests[handle] = None
+            del self._requests[handle]
 
     def drop_ended(self, prompt_ids: Sequence[str]) -> None:
         """The outputs of requests of these prompts that ended lingering leave their indexes now
@@ -280,7 +283,7 @@ class ReferenceCore:
 
     def _request(self, handle: int) -> RequestState:
         handle = int(handle)
-        request = self._requests[handle] if 0 <= handle < len(self._requests) else None
+        request = self._requests.get(handle)
         if request is None:
             raise ValueError(f"request handle {handle} is not a live request of this core")
         return request

@@ -597,7 +597,7 @@ public:
             bytes += sizeof(Request) + 16 + (r->prompt.capacity() + r->output.capacity() + r->pending.capacity() +
                                              r->ls.behind.capacity() + r->ls.global_behind.capacity()) * 4;
         }
-        return bytes + requests_.capacity() * sizeof(void*);
+        return bytes + requests_.size() * sizeof(void*);
     }
 
     // ---- requests -------------------------------------------------------------------------
@@ -610,7 +610,7 @@ public:
         std::vector<int64_t> handles(ids.size());
         for (size_t i = 0; i < ids.size(); ++i) {
             auto request = std::make_unique<Request>();
-            request->handle = static_cast<int64_t>(requests_.size());
+            request->handle = first_handle_ + static_cast<int64_t>(requests_.size());
             request->prompt_id = ids[i];
             request->prompt = std::move(prompts[i]);
             request->output = std::move(outputs[i]);
@@ -646,7 +646,13 @@ public:
         if (handles.empty()) return;
         std::vector<std::shared_ptr<Request>> ending;
         ending.reserve(handles.size());
-        for (const int64_t handle : handles) ending.emplace_back(std::move(requests_[handle]));
+        for (const int64_t handle : handles) ending.emplace_back(std::move(requests_[handle - first_handle_]));
+        // The handles keep rising (they rank the requests by arrival); the slots before the oldest
+        // live request go, so what a long run's finished requests leave behind stays bounded.
+        while (!requests_.empty() && !requests_.front()) {
+            requests_.pop_front();
+            ++first_handle_;
+        }
         workers_.submit([this, ending = std::move(ending), has_epoch, epochs, linger] {
             for (size_t i = 0; i < ending.size(); ++i) {
                 Request& r = *ending[i];
@@ -836,7 +842,7 @@ public:
     }
 
     // The rows' committed tokens enter their prompts' indexes, in the background.
-    // (Queued behind any background work, without waiting for it: requests_ only grows and
+    // (Queued behind any background work, without waiting for it: requests_ only
     // changes on this thread, so the handles can be resolved here.)
     // ``now``: on the calling thread (and the step's pool) before returning, no background hand-off.
     void absorb(const std::vector<int64_t>& handles, bool now) {
@@ -1066,7 +1072,8 @@ private:
     size_t follow_stride_ = 0;
     uint64_t checked_calls_ = 0;  // calls whose rows rows_of checked (each request notes the last that named it)
     Calibration calibration_;
-    std::vector<std::unique_ptr<Request>> requests_;
+    std::deque<std::unique_ptr<Request>> requests_;  // the request of handle first_handle_ + i at i
+    int64_t first_handle_ = 0;
     std::vector<DraftOut> drafts_;
     std::vector<uint8_t> hits_, resumed_;
     std::vector<int32_t> lookups_;
@@ -1234,9 +1241,10 @@ private:
     }
 
     Request& get(int64_t handle) {
-        if (handle < 0 || handle >= static_cast<int64_t>(requests_.size()) || !requests_[handle])
+        const int64_t at = handle - first_handle_;
+        if (at < 0 || at >= static_cast<int64_t>(requests_.size()) || !requests_[at])
             throw py::value_error("request handle " + std::to_string(handle) + " is not a live request of this core");
-        return *requests_[handle];
+        return *requests_[at];
     }
 
     static void truncate(DraftOut& d, int32_t k) {

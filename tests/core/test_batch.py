@@ -924,3 +924,31 @@ def test_estimates_on_long_repetitive_histories_stay_probabilities_in_both_cores
         for core, h in zip((ref, nat), handles, strict=True):
             core.finish(h)
     assert 0.999 < highest <= 1.0  # the histories made drafts as certain as they come
+
+
+@pytest.mark.parametrize("native_core", [False, True], ids=["reference", "native"])
+def test_handles_keep_rising_and_finished_requests_leave_nothing_behind(native_core):
+    """A long run starts millions of requests: handles keep rising (they rank requests by
+    arrival), a finished handle is no live request, and once the oldest request still running
+    ends, the core's memory does not grow with the requests that ended, in whatever order."""
+    core = make_core(native=native_core)
+    core.add_rollout("p", [1, 2, 3], [10, 11, 12, 2], 0)
+    straggler = core.start("p", [1, 2, 3], [], True)
+    handles, sizes = [], []
+    for round_ in range(3):
+        for _ in range(2000 if round_ else 200):
+            batch = core.start_many(["p"] * 4, [[1, 2, 3]] * 4, [[]] * 4, True)
+            handles.extend(batch)
+            core.finish_many(batch[::-1])
+        if round_ == 0:
+            assert core.known(straggler)  # still live among the requests that ended after it came
+            core.finish(straggler)
+        core.wait_idle(5.0)
+        if native_core:
+            sizes.append(core.memory_bytes())
+    assert handles == sorted(handles) and len(set(handles)) == len(handles) and handles[0] > straggler
+    with pytest.raises(ValueError, match=f"request handle {handles[-1]} is not a live request"):
+        core.finish(handles[-1])
+    assert core.start("p", [1, 2, 3], [], True) == handles[-1] + 1
+    if native_core:
+        assert sizes[2] - sizes[1] < 8 * 1000  # 8000 requests started and ended in between
