@@ -46,9 +46,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from ngramrl.bench.replay import accepted_prefix
-from ngramrl.core.history import MAX_TOKEN_ID
 from ngramrl.core.profile import HostOverhead
-from ngramrl.core.trace import Rollout, Trace
+from ngramrl.core.trace import MAX_TOKEN_ID, Rollout, Trace
 from ngramrl.engine.standin import StandInRunner
 
 

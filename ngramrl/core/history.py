@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from ngramrl.config import HistoryConfig
 from ngramrl.core.automaton import ROOT, SuffixAutomaton
+from ngramrl.core.trace import MAX_TOKEN_ID
 
 _INT = {int}
-MAX_TOKEN_ID = 2**31 - 1  # the native core keeps token ids in 32 bits
 # A stale cross-prompt index is replaced by one built a little at a time, as rollouts are stored:
 # each stored rollout adds this many times its own tokens to the replacement. Built at once, at
 # the next lookup, the whole window's build would land on one engine step (hundreds of

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TRACE_VERSION = 1
-MAX_VOCAB_SIZE = 2**31  # token ids are 32-bit in vLLM and in the native core
+MAX_TOKEN_ID = 2**31 - 1  # token ids are 32-bit in vLLM and in the native core
 FINISH_REASONS = ("stop", "length")
 TRACE_EXTENSIONS = (".jsonl.gz", ".jsonl", ".json.gz", ".json", ".gz")  # longest first: the workload is the rest
 
@@ -203,7 +203,7 @@ def _parse_header(path: str, raw: str) -> TraceHeader:
     vocab_size = obj.get("vocab_size")
     if not _is_int(vocab_size) or vocab_size <= 0:
         raise TraceError(path, 1, f"header 'vocab_size' must be a positive integer, got {vocab_size!r}")
-    if vocab_size > MAX_VOCAB_SIZE:
+    if vocab_size > MAX_TOKEN_ID + 1:
         raise TraceError(path, 1, f"header 'vocab_size' must be at most 2^31, got {vocab_size}: token ids are "
                                   f"32-bit in vLLM and in ngramrl's core")
     eos = obj.get("eos_token_ids")

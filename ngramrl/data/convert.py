@@ -17,8 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ngramrl.core.history import MAX_TOKEN_ID
-from ngramrl.core.trace import Rollout, TraceHeader, is_gzip
+from ngramrl.core.trace import MAX_TOKEN_ID, Rollout, TraceHeader, is_gzip
 
 
 class RolloutsError(ValueError):

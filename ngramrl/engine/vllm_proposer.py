@@ -31,8 +31,8 @@ import numpy as np
 
 from ngramrl.config import DrafterConfig, EngineConfig, HistoryConfig, NgramRLConfig, PrefetchConfig
 from ngramrl.core.cost import StepCostModel, drafting_pays
-from ngramrl.core.history import MAX_TOKEN_ID
 from ngramrl.core.rows import CommittedRows, DraftBatch, batch_ranks, committed_rows, recycled_lists
+from ngramrl.core.trace import MAX_TOKEN_ID
 from ngramrl.engine.sources import CoreSource, DraftSource, StepRows
 
 logger = logging.getLogger("ngramrl")
