@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from ngramrl.bench.replay import accepted_prefix
 from ngramrl.config import DrafterConfig, HistoryConfig, PrefetchConfig
 from ngramrl.core.batch import make_core
 from ngramrl.core.trace import Rollout, read_trace
@@ -60,6 +61,15 @@ def workload(path: str, batch: int) -> tuple[list[Rollout], list[Rollout], tuple
     return history, [copy(r, c) for c in range(copies) for r in replayed], tuple(trace.header.eos_token_ids)
 
 
+def _verify(entry: list) -> list[int]:
+    """One forward of a live row ``[rollout, position, draft]``: what its draft matched of the
+    rollout plus the token after it, the position moved past them."""
+    rollout, position, draft = entry
+    piece = rollout.output[position:position + accepted_prefix(draft, rollout.output[position:]) + 1]
+    entry[1] = position + len(piece)
+    return piece
+
+
 def run_core(path: str, batch: int, k: int, threads: int, prefetch: bool, native: bool, flush: np.ndarray,
              budget: int) -> dict:
     history, requests, stops = workload(path, batch)
@@ -79,15 +89,10 @@ def run_core(path: str, batch: int, k: int, threads: int, prefetch: bool, native
         # The forward: verification against the trace, then the stand-in for its memory traffic.
         handles, committed, done = [], [], []
         for h, entry in live.items():
-            r, i, draft = entry
-            j = 0
-            while j < len(draft) and i + j < len(r.output) and draft[j] == r.output[i + j]:
-                j += 1
-            piece = r.output[i:i + j + 1]
-            entry[1] = i + len(piece)
+            piece = _verify(entry)
             tokens += len(piece)
             forwards += 1
-            if entry[1] >= len(r.output):
+            if entry[1] >= len(entry[0].output):
                 done.append(h)
             else:
                 handles.append(h)
@@ -152,15 +157,10 @@ def run_suffix(path: str, batch: int, k: int, flush: np.ndarray) -> dict:
     while waiting or live:
         rows, done = [], []
         for rid, entry in live.items():
-            r, i, draft = entry
-            j = 0
-            while j < len(draft) and i + j < len(r.output) and draft[j] == r.output[i + j]:
-                j += 1
-            piece = r.output[i:i + j + 1]
-            entry[1] = i + len(piece)
+            piece = _verify(entry)
             tokens += len(piece)
             forwards += 1
-            (done if entry[1] >= len(r.output) else rows).append((rid, piece))
+            (done if entry[1] >= len(entry[0].output) else rows).append((rid, piece))
         flush.sum()
         in_flight.append(len(live))
         begin = clock()
@@ -188,8 +188,6 @@ def replay_tokens_per_forward(path: str, k: int, native: bool) -> float:
     """``ngramrl bench``'s replay (one rollout at a time, epochs >= 1 drafting from the earlier
     epochs, a replayed rollout dropped when it ends) through the core: its tokens per forward
     must be the bench's ngramrl figure."""
-    from ngramrl.bench.replay import accepted_prefix
-
     trace = read_trace(path)
     core = make_core(HistoryConfig(), DrafterConfig(stop_tokens=tuple(sorted(trace.header.eos_token_ids))),
                      PrefetchConfig(), native=native)
