@@ -105,13 +105,20 @@ class DraftFollower:
     def __init__(self, calibration: AcceptanceCalibration) -> None:
         self.calibration = calibration
         self._open: dict[str, tuple[Draft, int]] = {}
-        self.resolved = 0  # drafts followed to their end
-        self.accepted = 0  # their accepted tokens: 1 + accepted / resolved is what whole drafts would give
+        # Drafts followed to their end (an empty one ends at once) and their accepted tokens: each
+        # stands for one forward that verifies it whole, so 1 + accepted / resolved is the tokens a
+        # decode forward would commit with whole drafts.
+        self.resolved = 0
+        self.accepted = 0
 
     def offer(self, key: str, draft: Draft) -> None:
         """``draft`` was made for request ``key`` (whatever part of it is verified)."""
-        if draft.tokens and key not in self._open:
+        if key in self._open:
+            return
+        if draft.tokens:
             self._open[key] = (draft, 0)
+        else:  # nothing to verify: its forward commits the target's token alone
+            self.resolved += 1
 
     def committed(self, key: str, tokens: list[int]) -> None:
         """Request ``key`` committed ``tokens`` (what its last forward produced)."""

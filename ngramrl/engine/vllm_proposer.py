@@ -81,6 +81,7 @@ class ProposerStats:
     offloaded_steps: int = 0     # steps whose inserts and prefetch ran in the background (OffloadChoice)
     inline_steps: int = 0        # steps whose inserts ran in the call, a background being there
     row_steps: int = 0           # (request, step) pairs: target forwards spent on requests with a prompt id
+    first_rows: int = 0          # of them, requests' first forwards (the prefill's: one token, no draft to verify)
     gap_rows: int = 0            # rows whose tokens of a step without a proposer call were taken from the engine
     committed_tokens: int = 0    # tokens those forwards committed
     accepted_tokens: int = 0     # verified draft tokens the target accepted
@@ -316,6 +317,8 @@ class NgramRLProposer:
         self.clock = clock
         stops = tuple(sorted(set(self.config.drafter.stop_tokens) | set(_eos_ids(vllm_config))))
         self.drafter_config = DrafterConfig(**{**self.config.drafter.__dict__, "stop_tokens": stops})
+        self._stop_array = np.array(stops, dtype=np.int64)
+        self._eos_ignored: set[str] = set()  # requests that go on past an end-of-sequence id (ignore_eos)
         self.requests: dict[str, Any] = {}  # the drafting state of each request; None: no prompt id
         self.epochs: dict[str, int] = {}
         # The tokens each request may reach (prompt + max_tokens), where below max_model_len; a
@@ -420,7 +423,9 @@ class NgramRLProposer:
         """A generate call starts, running ``prompts`` (id -> prompt tokens) where the caller knows
         them: the drafter pool's source brings its copies of their history up to date now, before
         the first step, and looks for restarted drafter actors."""
+        begin = self.clock()
         self.source.new_batch(prompts)
+        self.stats.draft_ns_total += self.clock() - begin  # the call's first step waits for it
 
     def end_batch(self) -> None:
         """A generate call returned, with every request it ran finished (vLLM's ``LLM.generate``
@@ -559,6 +564,7 @@ class NgramRLProposer:
         states, arrival, ends = self._states(batch, sampled_token_ids)
         step = committed_rows(sampled_token_ids, arrival, num_tokens_no_spec, self.max_model_len, self.k,
                               *self._sent, token_ids=token_ids, ends=ends)
+        self._no_drafts_after_a_stop(step, batch)
         if step.whole:
             requests = states
         else:  # the core's handles are the ranks; the pool's requests are objects
@@ -623,6 +629,28 @@ class NgramRLProposer:
                                                              engine.adaptive_length, probe)
         self._probes += probed
         return np.asarray(chosen, dtype=np.int64), expected, paid
+
+    def _no_drafts_after_a_stop(self, step: CommittedRows, batch: tuple[str, ...]) -> None:
+        """Rows whose last committed token ends their request (an end-of-sequence id, unless the
+        request ignores them, or one of its own stop ids) draft nothing: vLLM ends the request with
+        this step, and its draft would be looked up, counted and followed for no forward."""
+        if not step.with_room:
+            return
+        last = step.tokens[step.offsets[1:] - 1]
+        ending = np.isin(last, self._stop_array)
+        if self._eos_ignored:
+            for r in np.flatnonzero(ending).tolist():
+                ending[r] = batch[int(step.index[r])] not in self._eos_ignored
+        if self._stops:
+            if self._all_stops is None:
+                self._all_stops = np.unique(np.concatenate(list(self._stops.values())))
+            for r in np.flatnonzero(np.isin(last, self._all_stops) & ~ending).tolist():
+                own = self._stops.get(batch[int(step.index[r])])
+                ending[r] = own is not None and bool(np.isin(last[r], own))
+        ending &= step.ks > 0
+        if ending.any():
+            step.ks[ending] = 0
+            step.with_room -= int(np.count_nonzero(ending))
 
     def _cut_at_own_stops(self, made: DraftBatch, lengths: np.ndarray, rows: StepRows) -> np.ndarray:
         """Each row whose request has stop token ids of its own verifies its draft only up to the
@@ -740,6 +768,9 @@ class NgramRLProposer:
             if own_stops:
                 self._stops[req_id] = np.array(sorted(own_stops), dtype=np.int64)
                 self._all_stops = None
+            if getattr(params, "ignore_eos", False):
+                self._eos_ignored.add(req_id)
+            self.stats.first_rows += not before
             starting.append((req_id, str(prompt_id), prompt, before, epoch))
         if not starting:
             return
@@ -767,6 +798,7 @@ class NgramRLProposer:
             self._ends.pop(req_id, None)
             if self._stops.pop(req_id, None) is not None:
                 self._all_stops = None
+            self._eos_ignored.discard(req_id)
             del self._arrival[req_id]
             if request is not None:
                 ending.append(request)
@@ -782,7 +814,8 @@ class NgramRLProposer:
         return {"steps": stats.steps, "drafts": stats.drafts, "drafted_tokens": stats.drafted_tokens,
                 "lookup_rows": stats.lookup_rows, "prefetch_hits": stats.prefetch_hits, "cut_tokens": stats.cut_tokens,
                 "invalid_tokens": stats.invalid_tokens,
-                "finished_rollouts": stats.finished_rollouts, "row_steps": stats.row_steps, "gap_rows": stats.gap_rows,
+                "finished_rollouts": stats.finished_rollouts, "row_steps": stats.row_steps,
+                "first_rows": stats.first_rows, "gap_rows": stats.gap_rows,
                 "offloaded_steps": stats.offloaded_steps, "inline_steps": stats.inline_steps,
                 "committed_tokens": stats.committed_tokens, "accepted_tokens": stats.accepted_tokens,
                 "expected_accepted": round(stats.expected_accepted, 2),

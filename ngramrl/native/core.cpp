@@ -787,8 +787,12 @@ public:
         timings_["step_lookup_ns"] += now_ns() - committed_at;
         if (follow_)
             for (size_t i = 0; i < rows; ++i)
-                if (ks[i] > 0 && !drafts_[i].tokens.empty() && !reqs[i]->following) {
+                if (ks[i] > 0 && !reqs[i]->following) {
                     Request& r = *reqs[i];
+                    if (drafts_[i].tokens.empty()) {  // DraftFollower.offer: its forward commits one token
+                        followed_drafts_ += 1;
+                        continue;
+                    }
                     r.following = true;
                     r.follow_tokens = drafts_[i].tokens;
                     r.follow_probs = drafts_[i].probs;

@@ -8,6 +8,7 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import os
 from typing import Any
 
@@ -16,7 +17,7 @@ from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
 from ngramrl.engine.worker_extension import NgramRLWorkerExtension
 from ngramrl.pipeline.feed import ShardFeed
-from ngramrl.pipeline.metrics import counters, delta, draft_rates
+from ngramrl.pipeline.metrics import RATES, counters, delta, draft_rates
 from ngramrl.pipeline.pool import PoolSettings, shard_of
 from ngramrl.pipeline.pool_proposer import POOL_ENV
 
@@ -41,7 +42,7 @@ class NgramRLRolloutActor(_OpenRLHFRolloutActor):
     async def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._ngramrl_epochs: dict[str, int] = {}
         self._ngramrl_last: dict[str, float] = {}
-        self._ngramrl_rates: dict[str, float] | None = None  # the last report's, over a window with steps
+        self._ngramrl_rates: dict[str, float] = dict.fromkeys(RATES, math.nan)  # each rate's last measure
         self._ngramrl_visits_fail = False
         settings = os.environ.get(POOL_ENV)
         self._ngramrl_feed: ShardFeed | None = None
@@ -108,13 +109,15 @@ class NgramRLRolloutActor(_OpenRLHFRolloutActor):
             replies = await self.llm.collective_rpc("ngramrl_stats")
             now = counters(next((reply for reply in replies if reply is not None), None))
         except Exception:  # noqa: BLE001 - metrics must never break generation
-            now = counters(None)
+            return dict(self._ngramrl_rates)  # the window stays open: the next report counts its steps
         window, self._ngramrl_last = delta(now, self._ngramrl_last), now
-        if window["row_steps"] or self._ngramrl_rates is None:
-            self._ngramrl_rates = draft_rates(window)
-        # else no engine step since the last report (two prompts finished between the same two
-        # steps): its rates again, not an empty window's "1.0 tokens per forward"
-        return self._ngramrl_rates
+        # A rate the window could not measure (no step since the last report, nothing drafted)
+        # keeps its last value: every response carries every key (OpenRLHF stacks them by key),
+        # NaN until a first measure, never a number that reads as one.
+        for name, value in draft_rates(window).items():
+            if value is not None:
+                self._ngramrl_rates[name] = value
+        return dict(self._ngramrl_rates)
 
 
 def remote_actor_class() -> Any:

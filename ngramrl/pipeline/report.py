@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import zlib
 from typing import Any
@@ -115,10 +116,13 @@ def _plot(path: str, steps: list[dict[str, Any]], series: list[EpochSeries], k: 
                     [r + d for r, d in zip(reward, spread, strict=True)], color="tab:green", alpha=0.15)
     ax.set(title="reward (mean, +-1 std over the step's rollouts)", xlabel="training step", ylabel="reward")
     ax = axes[0][1]
-    offered = [s.get("offered_tokens_per_forward") for s in steps]
-    if any(value is not None for value in offered):  # only ngramrl's drafts say what they offered
+    def measured(key: str) -> list[float]:  # a step that measured nothing: a gap in the line
+        return [math.nan if s.get(key) is None else s[key] for s in steps]
+
+    offered = measured("offered_tokens_per_forward")
+    if not all(math.isnan(value) for value in offered):  # only ngramrl's drafts say what they offered
         ax.plot(x, offered, marker="o", label="offered by the drafts")
-    ax.plot(x, [s["tokens_per_forward"] for s in steps], marker="s", label="verified (vLLM)")
+    ax.plot(x, measured("tokens_per_forward"), marker="s", label="verified (vLLM)")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set(title="tokens per target forward", xlabel="training step", ylabel="tokens / forward")
     ax.legend(fontsize=8)

@@ -59,11 +59,11 @@ class StepRecord:
     train_seconds: float
     sync_seconds: float
     tokens: int
-    tokens_per_forward: float      # committed tokens per target forward (vLLM's counters)
+    tokens_per_forward: float | None  # committed tokens per target forward (vLLM's counters); None: none ran
     # ngramrl's own measures; None (absent from the metrics) where the run drafts another way or
     # does not prefetch, rather than numbers that read as "nothing offered, nothing covered".
     offered_tokens_per_forward: float | None  # what whole drafts would have given (the cost model may verify less)
-    acceptance: float              # accepted / drafted tokens
+    acceptance: float | None       # accepted / drafted tokens; None where nothing was verified
     coverage: float | None         # lookups whose draft the prefetch had ready / lookups
     drafter_ms_per_step: float | None  # the proposer's time per engine step
     pool_unsynced_prompts: int     # prompts that drafted from an engine's old copy: their shard was down
@@ -75,8 +75,8 @@ class StepRecord:
 
     def line(self) -> str:
         return (f"step {self.step:3d}  reward {self.reward:.3f}  loss {self.loss:+.4f}  kl {self.kl:.4f}  "
-                f"tok/fwd {self.tokens_per_forward:.2f} (offered {_shown(self.offered_tokens_per_forward)})  "
-                f"accept {self.acceptance:.2f}  coverage {_shown(self.coverage)}  "
+                f"tok/fwd {_shown(self.tokens_per_forward)} (offered {_shown(self.offered_tokens_per_forward)})  "
+                f"accept {_shown(self.acceptance)}  coverage {_shown(self.coverage)}  "
                 f"rollout {self.rollout_seconds:.1f}s ({self.tokens / max(self.rollout_seconds, 1e-9):.0f} tok/s)  "
                 f"train {self.train_seconds:.1f}s ({self.trained_samples} samples)  "
                 f"pool {self.pool_healthy} up, {self.pool_restarts} restarts")
@@ -105,9 +105,9 @@ class TrainResult:
                 f"{'rollout s':>9} {'tok/s':>6} {'train s':>7} {'unsynced':>8} {'restarts':>8}")
         rows = [head]
         for r in self.steps:
-            rows.append(f"{r.step:>4} {r.reward:>7.3f} {r.loss:>+8.4f} {r.tokens_per_forward:>7.2f} "
+            rows.append(f"{r.step:>4} {r.reward:>7.3f} {r.loss:>+8.4f} {_shown(r.tokens_per_forward):>7} "
                         f"{_shown(r.offered_tokens_per_forward):>7} "
-                        f"{r.acceptance:>6.2f} {_shown(r.coverage):>6} {r.rollout_seconds:>9.1f} "
+                        f"{_shown(r.acceptance):>6} {_shown(r.coverage):>6} {r.rollout_seconds:>9.1f} "
                         f"{r.tokens / max(r.rollout_seconds, 1e-9):>6.0f} {r.train_seconds:>7.1f} "
                         f"{r.pool_unsynced_prompts:>8d} {r.pool_restarts:>8d}")
         total = sum(r.rollout_seconds for r in self.steps)
@@ -477,7 +477,7 @@ def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]
         step=step, reward=statistics.fmean(scores), reward_std=statistics.pstdev(scores), loss=mean("loss"),
         kl=mean("kl"), clip_fraction=mean("clip_fraction"), rollout_seconds=rollout_seconds,
         train_seconds=max(m["train_seconds"] for m in train_metrics), sync_seconds=sync_seconds, tokens=int(tokens),
-        tokens_per_forward=ratio(tokens, tokens - accepted, 1.0),
+        tokens_per_forward=ratio(tokens, tokens - accepted),
         offered_tokens_per_forward=rates["offered_tokens_per_forward"] if drafts_ngramrl else None,
         acceptance=ratio(accepted, engine.get("vllm_num_draft_tokens", 0.0)),
         coverage=rates["prefetch_coverage"] if drafts_ngramrl and prefetches else None,

@@ -952,3 +952,21 @@ def test_handles_keep_rising_and_finished_requests_leave_nothing_behind(native_c
     assert core.start("p", [1, 2, 3], [], True) == handles[-1] + 1
     if native_core:
         assert sizes[2] - sizes[1] < 8 * 1000  # 8000 requests started and ended in between
+
+
+@pytest.mark.parametrize("native_core", [False, True], ids=["reference", "native"])
+def test_a_lookup_that_found_nothing_is_followed_as_a_forward_that_accepts_nothing(native_core):
+    """What whole drafts would give (``followed``: drafts, accepted tokens) counts an empty draft
+    as one forward committing the target's token alone, as verifying it would; a draft followed
+    over several steps counts once."""
+    core = make_core(HistoryConfig(), DrafterConfig(), PrefetchConfig(), native=native_core, follow=True)
+    core.add_rollout("p", [1, 2], [10, 11, 12, 13], 0)
+    handle = core.start("p", [1, 2], [], True)
+    assert core.step([handle], [99], [0, 1], [4]).tokens.tolist() == []  # 99 was never seen
+    assert core.followed() == (1, 0)
+    assert core.step([handle], [10], [0, 1], [4]).tokens.tolist() == [11, 12, 13]
+    assert core.followed() == (1, 0)  # followed from now on
+    core.step([handle], [11], [0, 1], [4])  # the next token matches: still followed
+    assert core.followed() == (1, 0)
+    assert core.step([handle], [12, 5], [0, 2], [4]).tokens.tolist() == []  # 2 accepted; 5 was never seen
+    assert core.followed() == (3, 2)

@@ -790,3 +790,43 @@ def test_the_proposer_runs_the_steps_work_where_that_is_faster_and_drafts_the_sa
                      else (stats["offloaded_steps"], stats["inline_steps"]))
     assert chosen > 3 * other, stats
     assert auto == _run_with_costs(monkeypatch, "off", hand_over_ms, lookup_ms)[0]
+
+
+def test_a_row_whose_request_ends_in_this_step_drafts_nothing(monkeypatch):
+    """vLLM ends a request whose step committed an end-of-sequence id (unless it ignores them) or
+    one of its own stop ids: a draft for it would never be verified, yet it would be looked up,
+    counted as drafted and followed as if a forward verified it."""
+    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch="off",
+                                                                                   adaptive_length=False),
+                                                                drafter=DrafterConfig(use_global=False))))
+    proposer = NgramRLProposer(standin_vllm_config(4, eos_token_ids=(2,)))
+    runner = StandInRunner()
+    proposer.bind_runner(runner)
+    proposer.core.add_rollout("p", [1, 3], [100, 2, 300, 301, 77, 302, 303], epoch=0)
+    for req_id in ("ends", "ignores", "stops", "goes_on"):
+        runner.add(req_id, "p", [1, 3], epoch=1)
+    runner.requests["ignores"].sampling_params.ignore_eos = True
+    runner.requests["stops"].sampling_params.stop_token_ids = [77]
+    assert proposer.propose([[100]] * 4, [3] * 4, None) == [[2]] * 4
+    assert proposer.stats.first_rows == 4 and proposer.stats.lookup_rows == 4
+    # each target rejected or took the draft [2]: "stops" emitted its own stop id instead
+    drafts = proposer.propose([[2], [2], [77], [100]], [4] * 4, None)
+    assert drafts == [[], [300, 301, 77, 302], [], [2]]
+    assert proposer.stats.lookup_rows == 4 + 2 and proposer.stats.drafts == 4 + 2
+    assert proposer.stats.first_rows == 4 and proposer.stats.row_steps == 8
+
+
+def test_the_drafters_time_counts_a_generate_calls_wait_for_its_sources_batch_sync(monkeypatch):
+    """A generate call waits for the draft source's start of batch (the drafter pool brings the
+    call's prompts up to date there) before its first step: the proposer's time counts it."""
+    now = [0]
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), clock=lambda: now[0])
+    syncing = proposer.source.new_batch
+
+    def slow_sync(prompts=None):
+        now[0] += 5_000_000  # 5 ms
+        syncing(prompts)
+
+    monkeypatch.setattr(proposer.source, "new_batch", slow_sync)
+    proposer.new_batch({"p": [1, 2, 3]})
+    assert proposer.stats_dict()["draft_us_total"] == 5000

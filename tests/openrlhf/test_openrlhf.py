@@ -205,28 +205,42 @@ def test_launch_scripts_pass_openrlhfs_checks_and_fit_their_cluster(script, clus
     assert os.path.isabs(args.ckpt.output_dir) and os.path.isabs(options.save_dir)
 
 
-def test_a_report_with_no_engine_step_since_the_last_repeats_its_rates():
+def test_a_report_keeps_each_rate_its_window_could_not_measure_and_a_failed_read_loses_no_steps():
     """Two prompts that finish between the same two engine steps: the second report's window holds
-    no step, and reads as "1.0 tokens per forward, acceptance 0" if taken as it is; it repeats the
-    last report's rates instead."""
+    no step, and would read as "no tokens per forward, nothing accepted"; each rate keeps its last
+    measure instead (NaN before any). A stats call that fails leaves the window open: the next
+    report counts its steps (a reset to zero would log negative counts and lifetime rates)."""
     import asyncio
+    import math
     from types import SimpleNamespace
 
     from ngramrl.openrlhf.actor import NgramRLRolloutActor
+    from ngramrl.pipeline.metrics import RATES
 
     stats = {"steps": 10, "row_steps": 40, "committed_tokens": 120, "drafted_tokens": 100}
+    failing = [False]
 
     async def collective_rpc(name):
+        if failing[0]:
+            raise RuntimeError("the engine is busy")
         return [None, dict(stats)]  # only the worker whose drafts vLLM reads answers
 
     actor = SimpleNamespace(llm=SimpleNamespace(collective_rpc=collective_rpc), _ngramrl_last={},
-                            _ngramrl_rates=None)
+                            _ngramrl_rates=dict.fromkeys(RATES, math.nan))
     report = lambda: asyncio.run(NgramRLRolloutActor._ngramrl_metrics(actor))  # noqa: E731
     first = report()
-    assert first["tokens_per_forward"] == 3.0
-    assert report() == first  # no step since
+    assert set(first) == set(RATES)
+    assert first["tokens_per_forward"] == 3.0 and first["acceptance"] == 0.8
+    assert math.isnan(first["offered_tokens_per_forward"])  # nothing followed yet
+    again = report()  # no step since
+    assert again["tokens_per_forward"] == 3.0 and again["acceptance"] == 0.8
     stats.update(steps=12, row_steps=50, committed_tokens=140)
-    assert report()["tokens_per_forward"] == 2.0  # the next window: 20 tokens in 10 forwards
+    failing[0] = True
+    assert report()["tokens_per_forward"] == 3.0  # not read: the last measure
+    failing[0] = False
+    stats.update(steps=14, row_steps=60, committed_tokens=150)
+    assert report()["tokens_per_forward"] == 1.5  # both windows: 30 tokens in 20 forwards
+    assert report()["pool_unsynced_prompts"] == 0.0
 
 
 def test_a_prompts_epoch_counts_its_visits_on_every_engine():
