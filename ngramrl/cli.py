@@ -202,12 +202,12 @@ def _train(args: argparse.Namespace) -> int:
                 "overwrite": f"deletes the earlier run there ({', '.join(plan.found)})"}[plan.mode]
         print(f"{args.config or '<defaults>'}: ok; run.output_dir {plan.path}: {what}")
         return 0
-    from ngramrl.pipeline.run import train
+    from ngramrl.pipeline.run import Terminated, train
 
     try:
         result = train(config)
-    except KeyboardInterrupt:
-        return 130  # what was done is saved (train says what and where)
+    except KeyboardInterrupt as stopped:  # what was done is saved (train says what and where)
+        return 143 if isinstance(stopped, Terminated) else 130
     print(result.summary())
     return 0
 

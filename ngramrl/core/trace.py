@@ -312,7 +312,11 @@ def iter_trace(path: str, length: int | None = None) -> Iterator[TraceHeader | R
                 yield rollout
     except UnicodeDecodeError as err:
         raise TraceError(path, None, f"cannot read file: {err}" + _GZIP_HINT * is_gzip(path)) from None
-    except (OSError, EOFError) as err:
+    except EOFError as err:  # the last gzip member cut short
+        raise TraceError(path, None, f"cannot read file: {err}; it ends in the middle of an append (a run "
+                                     f"still writing it, or one stopped mid-append: `ngramrl train --resume` "
+                                     f"cuts the torn end off)") from None
+    except OSError as err:
         raise TraceError(path, None, f"cannot read file: {err}") from None
     except zlib.error as err:  # a gzip stream damaged past its header
         raise TraceError(path, None, f"cannot read file: corrupt gzip data ({err})") from None

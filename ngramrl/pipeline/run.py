@@ -40,6 +40,7 @@ from ngramrl.pipeline.rundir import (
     SUMMARY_FILE,
     TRACE_FILE,
     EarlierRun,
+    check_same_prompts,
     plan_run_dir,
 )
 from ngramrl.pipeline.tracking import Tracker
@@ -188,6 +189,9 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     score_fn = (load_reward(config.workload.reward) if config.workload.reward
                 else functools.partial(reward, config.workload.name))
+    vocab_size = model_vocab_size(model_dir, len(tokenizer))
+    check_same_prompts(plan.earlier, {p.prompt_id: list(p.token_ids) for p in prompts}, vocab_size, eos,
+                       run.output_dir)
     earlier = plan.prepare()
     output_dir = plan.path
     start_dir = _starting_policy(earlier, model_dir)
@@ -222,6 +226,10 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
     trainers: list[Any] = []
     actors: list[Any] = []
     limit = run.timeout_s
+    # The step whose rollouts are in the trace and whose training was handed over, until its record
+    # is written: a run stopped in between still records it, with its training's metrics.
+    unrecorded: Callable[[list[dict[str, float]], float], StepRecord] | None = None
+    restore_sigterm = _stop_on_sigterm()  # after ray.init, whose handler would abort the process
     try:
         use_pool = rollout.draft == "ngramrl"
         if use_pool:
@@ -260,7 +268,7 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
         engine_dtype = _engine_dtype(_wait(ray, [w.dtype.remote() for w in workers], "the engines' dtype", limit),
                                      config.model.rollout_dtype)
         trace = TraceWriter(os.path.join(output_dir, TRACE_FILE), TraceHeader(
-            vocab_size=model_vocab_size(model_dir, len(tokenizer)), eos_token_ids=eos,
+            vocab_size=vocab_size, eos_token_ids=eos,
             model=os.path.basename(os.path.normpath(model_dir)),
             workload=config.workload.name, temperature=rollout.temperature, top_p=rollout.top_p,
             max_tokens=rollout.max_tokens, extra={"ngramrl_run": os.path.basename(output_dir), "dtype": engine_dtype}),
@@ -311,6 +319,10 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
                 trace.add(r)
             trace.flush()  # before the pool takes them: the pool never holds rollouts the trace lacks
             restarts_before = pool.restarts if pool else 0
+            unrecorded = functools.partial(
+                _log_step, tracker, output_dir, records, earlier.records, step, scores, metrics, rollout_seconds, pool,
+                restarts_before, drafts_ngramrl=config.rollout.draft == "ngramrl",
+                prefetches=config.ngramrl.prefetch.budget > 0)
             if pool is not None:
                 pool.heal()
                 pool.add_rollouts(step_rollouts)
@@ -326,22 +338,13 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
                 pool.save()
             if run.save_policy_every and (step + 1) % run.save_policy_every == 0:
                 saved_steps = _save_policy(ray, trainers, tokenizer, output_dir, trained_steps, limit)
-            health = pool.health() if pool is not None else []
-            record = _record(step, scores, train_metrics, metrics, rollout_seconds, sync_seconds,
-                             restarts=(pool.restarts if pool else 0), healthy=sum(h is not None for h in health),
-                             drafts_ngramrl=config.rollout.draft == "ngramrl",
-                             prefetches=config.ngramrl.prefetch.budget > 0)
-            records.append(record)
-            record.weight_sync_error, record.policy_checksum = sync_error, checksum
-            tracker.log(step, {**{k: v for k, v in asdict(record).items() if v is not None},
-                               **{f"engine/{k}": v for k, v in metrics.items()},
-                               "pool/restarts_this_step": (pool.restarts if pool else 0) - restarts_before})
-            _write_summary(output_dir, earlier.records, records)
+            record = unrecorded(train_metrics, sync_seconds, sync_error, checksum)
+            unrecorded = None
             progress.write(record.line())
             progress.update(1)
         progress.close()
         if saved_steps != trained_steps:
-            _save_policy(ray, trainers, tokenizer, output_dir, trained_steps, limit)
+            saved_steps = _save_policy(ray, trainers, tokenizer, output_dir, trained_steps, limit)
         result = TrainResult(records, trace.path, output_dir, tracker.directory,
                              policy_path=os.path.join(output_dir, POLICY_DIR))
         _release(ray, actors)  # the report's replay needs no engine or trainer: their GPUs go back now
@@ -352,13 +355,19 @@ def train(config: TrainConfig, before_rollout: Callable[[int, DrafterPool], None
     except (KeyboardInterrupt, Exception) as stopped:
         # Whatever stops the run (Ctrl-C, a reward that fails, an actor lost), what the finished
         # steps made is kept for --resume.
+        if unrecorded is not None:  # its rollouts are in the trace and its training went on
+            try:
+                unrecorded(_wait(ray, training, f"step {step}'s training", min(limit, 300)), 0.0)
+            except (KeyboardInterrupt, Exception) as err:  # noqa: BLE001 - the rest is still saved
+                logger.warning("step %d's training did not finish (%s): its record is not written", step, err)
         save_policy = None
         if trained_steps != saved_steps:
             save_policy = functools.partial(_save_policy, ray, trainers, tokenizer, output_dir, trained_steps, limit)
         _save_interrupted(output_dir, step, earlier.records, records, trace, pool if pool_restored else None,
-                          save_policy, failure=None if isinstance(stopped, KeyboardInterrupt) else stopped)
+                          save_policy, stopped)
         raise
     finally:
+        restore_sigterm()
         tracker.finish()
         _release(ray, actors)
         if pool is not None:
@@ -438,12 +447,13 @@ def _release(ray: Any, actors: list[Any]) -> None:
 
 def _save_interrupted(output_dir: str, step: int, before: list[dict[str, Any]], records: list[StepRecord],
                       trace: TraceWriter | None, pool: DrafterPool | None,
-                      save_policy: Callable[[], int] | None = None, failure: BaseException | None = None) -> None:
-    """SIGINT (or ``failure``, an error that stops the run): keep what the finished steps made, and
-    say what was kept."""
+                      save_policy: Callable[[], int] | None, stopped: BaseException) -> None:
+    """SIGINT, SIGTERM (``Terminated``) or an error that stops the run: keep what the finished
+    steps made, and say what was kept."""
     import sys
 
-    how = "interrupted" if failure is None else f"stopped by an error ({type(failure).__name__}: {failure})"
+    how = ("terminated (SIGTERM)" if isinstance(stopped, Terminated) else "interrupted"
+           if isinstance(stopped, KeyboardInterrupt) else f"stopped by an error ({type(stopped).__name__}: {stopped})")
     saved = [f"{METRICS_FILE} and {SUMMARY_FILE} ({len(records)} steps this run)"]
     _write_summary(output_dir, before, records)
     if trace is not None:
@@ -462,6 +472,47 @@ def _save_interrupted(output_dir: str, step: int, before: list[dict[str, Any]], 
             saved.append(f"not the policy ({err})")
     print(f"ngramrl train: {how} in step {step}; saved {', '.join(saved)} in {output_dir}; continue it "
           f"with --resume", file=sys.stderr, flush=True)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler's time limit, ``docker stop``): stopped as by Ctrl-C, what the
+    finished steps made saved (``ngramrl train`` exits 143)."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _stop_on_sigterm() -> Callable[[], Any]:
+    """From now on SIGTERM raises ``Terminated`` in the main thread (where Python can handle it);
+    returns what puts the handler before it back (the default, where that was not Python's: Ray's
+    would abort the process)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    return functools.partial(signal.signal, signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _log_step(tracker: Tracker, output_dir: str, records: list[StepRecord], before: list[dict[str, Any]], step: int,
+              scores: list[float], engine: dict[str, float], rollout_seconds: float, pool: DrafterPool | None,
+              restarts_before: int, train_metrics: list[dict[str, float]], sync_seconds: float,
+              sync_error: float = 0.0, checksum: float = 0.0, *, drafts_ngramrl: bool,
+              prefetches: bool) -> StepRecord:
+    """A step's record, once its training is done: kept, logged and in the summary."""
+    health = pool.health() if pool is not None else []
+    record = _record(step, scores, train_metrics, engine, rollout_seconds, sync_seconds,
+                     restarts=(pool.restarts if pool else 0), healthy=sum(h is not None for h in health),
+                     drafts_ngramrl=drafts_ngramrl, prefetches=prefetches)
+    record.weight_sync_error, record.policy_checksum = sync_error, checksum
+    records.append(record)
+    tracker.log(step, {**{k: v for k, v in asdict(record).items() if v is not None},
+                       **{f"engine/{k}": v for k, v in engine.items()},
+                       "pool/restarts_this_step": (pool.restarts if pool else 0) - restarts_before})
+    _write_summary(output_dir, before, records)
+    return record
 
 
 def _record(step: int, scores: list[float], train_metrics: list[dict[str, float]], engine: dict[str, float],

@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-from ngramrl.core.trace import Rollout, iter_trace, whole_length
+from ngramrl.core.trace import Rollout, TraceHeader, iter_trace, whole_length
 from ngramrl.paths import OutputPaths, inside
 from ngramrl.pipeline.config import ConfigError, TrainConfig
 from ngramrl.pipeline.pool import check_snapshots
@@ -37,6 +37,10 @@ RUN_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, TRACE_FILE, POOL_DIR, WAND
              POLICY_DIR)
 DIRECTORIES = (POOL_DIR, WANDB_DIR, POLICY_DIR)
 RESUMED_CONFIG = "config-resume-{}.json"
+# What a resumed run must do as the run before it: its rollouts join that run's trace and drafter
+# history under the same prompt ids, and its trace's header says how they were all sampled.
+KEPT_ON_RESUME = ("workload.name", "workload.task", "workload.task_settings", "workload.seed", "rollout.temperature",
+                  "rollout.top_p", "rollout.max_tokens")
 
 
 @dataclass
@@ -52,6 +56,10 @@ class EarlierRun:
     resumes: int = 0                                             # earlier resumptions of it
     policy_dir: str | None = None                                # the policy it saved
     policy_steps: int = 0                                        # the steps that trained that policy
+    header: TraceHeader | None = None                            # its trace's header
+    prompt_hashes: dict[str, int] = field(default_factory=dict)  # per prompt id: hash of its prompt tokens
+    config: dict[str, Any] | None = None                         # its last configuration (config*.json)
+    config_file: str | None = None                               # where that was read
 
     @property
     def last_epoch(self) -> int:
@@ -104,8 +112,10 @@ def read_earlier_run(path: str) -> EarlierRun:
         earlier.trace_whole_bytes = whole_length(trace_path)
         for rollout in iter_trace(trace_path, earlier.trace_whole_bytes):
             if not isinstance(rollout, Rollout):
+                earlier.header = rollout
                 continue
             earlier.rollout_count += 1
+            earlier.prompt_hashes.setdefault(rollout.prompt_id, hash(tuple(rollout.prompt)))
             earlier.next_epoch[rollout.prompt_id] = max(earlier.next_epoch.get(rollout.prompt_id, 0),
                                                         rollout.epoch + 1)
             if rollout.policy_version is not None:
@@ -135,6 +145,16 @@ def read_earlier_run(path: str) -> EarlierRun:
     if glob.glob(os.path.join(path, POOL_DIR, "shard-*.json.gz")):
         earlier.pool_dir = os.path.join(path, POOL_DIR)
     earlier.resumes = len(glob.glob(os.path.join(path, RESUMED_CONFIG.format("*"))))
+    for name in [RESUMED_CONFIG.format(n) for n in range(earlier.resumes, 0, -1)] + [CONFIG_FILE]:
+        config_path = os.path.join(path, name)
+        if os.path.exists(config_path):
+            try:
+                with open(config_path, encoding="utf-8") as handle:
+                    earlier.config = json.load(handle)
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"{config_path}: cannot be read to resume the run ({err})") from None
+            earlier.config_file = config_path
+            break
     policy_file = os.path.join(path, POLICY_DIR, POLICY_FILE)
     if os.path.exists(policy_file):
         try:
@@ -145,6 +165,47 @@ def read_earlier_run(path: str) -> EarlierRun:
                               f"steps trained the policy saved beside it") from None
         earlier.policy_dir = os.path.join(path, POLICY_DIR)
     return earlier
+
+
+def check_same_settings(earlier: EarlierRun, config: TrainConfig, output_dir: str) -> None:
+    """A resumed run samples as the run before it, the same prompts (``KEPT_ON_RESUME``), or it
+    is refused before anything starts: its rollouts would join that run's trace and history
+    under the same prompt ids, and the trace's header would say how neither was sampled."""
+    if earlier.config is None:
+        return
+    now = config.to_dict()
+    for key in KEPT_ON_RESUME:
+        section, name = key.split(".")
+        recorded = earlier.config.get(section)
+        if not isinstance(recorded, dict) or name not in recorded:  # a configuration that does not say
+            continue
+        before, after = recorded[name], now[section][name]
+        if before != after:
+            raise ConfigError(f"run.output_dir {output_dir!r} holds a run made with {key} = {before!r} "
+                              f"({earlier.config_file}); this run's {key} is {after!r}. A resumed run continues "
+                              f"that run's trace and prompts: resume it with the same {key}, or start a new run "
+                              f"(another run.output_dir, or --overwrite)")
+
+
+def check_same_prompts(earlier: EarlierRun, prompts: dict[str, list[int]], vocab_size: int, eos: list[int],
+                       output_dir: str) -> None:
+    """A resumed run's prompts, as its model's tokenizer makes them, are the earlier run's under
+    the same ids, and its vocabulary and end-of-sequence ids those of its trace; else refused
+    before anything starts (a trace that gives one prompt id two prompts is unreadable)."""
+    trace = os.path.join(output_dir, TRACE_FILE)
+    header = earlier.header
+    if header is not None and (header.vocab_size, list(header.eos_token_ids)) != (vocab_size, list(eos)):
+        raise ConfigError(f"{trace} was sampled with a vocabulary of {header.vocab_size} tokens and end-of-sequence "
+                          f"ids {list(header.eos_token_ids)}; this run's model (model.path, or the policy/ it "
+                          f"resumes from) has {vocab_size} and {list(eos)}: resume with that run's model, or start "
+                          f"a new run (another run.output_dir, or --overwrite)")
+    for prompt_id, tokens in prompts.items():
+        known = earlier.prompt_hashes.get(prompt_id)
+        if known is not None and known != hash(tuple(tokens)):
+            raise ConfigError(f"prompt {prompt_id!r} is not the prompt of that id in {trace} (other tokens): the "
+                              f"workload, its settings, or the model's tokenizer or chat template differ from the "
+                              f"earlier run's. Resume with that run's settings, or start a new run (another "
+                              f"run.output_dir, or --overwrite)")
 
 
 def plan_run_dir(config: TrainConfig) -> RunDirPlan:
@@ -188,4 +249,5 @@ def plan_run_dir(config: TrainConfig) -> RunDirPlan:
     # A resumed run's files are read now (a corrupted trace is reported with its file and line),
     # so `train --check` finds what the run would.
     earlier = read_earlier_run(path) if mode == "resume" else EarlierRun()
+    check_same_settings(earlier, config, run.output_dir)
     return RunDirPlan(path, mode, found, earlier)

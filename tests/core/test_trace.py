@@ -102,6 +102,18 @@ def test_empty_and_unreadable_files(tmp_path):
         read_trace(str(broken))
 
 
+def test_a_trace_that_ends_in_the_middle_of_an_append_says_so(tmp_path):
+    """A run's trace read while the run appends to it (or after it was stopped mid-append) ends
+    inside a gzip member: the error says so and what cuts the torn end off."""
+    import gzip
+
+    path = tmp_path / "live.jsonl.gz"
+    good = "".join(line + "\n" for line in [json.dumps(HEADER), rollout_line()]).encode()
+    path.write_bytes(gzip.compress(good) + gzip.compress(rollout_line(sample=1).encode() + b"\n")[:25])
+    with pytest.raises(TraceError, match="ends in the middle of an append .*ngramrl train --resume"):
+        read_trace(str(path))
+
+
 def test_a_gzip_stream_damaged_past_its_header_is_a_read_error_naming_the_file(tmp_path):
     good = "".join(line + "\n" for line in [json.dumps(HEADER), rollout_line(), rollout_line(sample=1)])
     packer = zlib.compressobj(wbits=31)  # a gzip stream

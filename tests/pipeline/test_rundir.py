@@ -167,3 +167,39 @@ def test_a_trace_torn_in_an_append_resumes_from_its_whole_part(tmp_path):
     earlier = plan(out, "run.if_exists=resume").prepare()
     assert earlier.rollout_count == 6 and earlier.trace_whole_bytes == whole
     assert earlier.next_epoch == {"a": 2, "b": 1}
+
+
+def test_a_resume_that_would_sample_other_prompts_or_otherwise_is_refused_before_anything_starts(tmp_path):
+    """The resumed run's rollouts join the earlier run's trace and history under the same prompt
+    ids: the settings that decide the prompts and how they are sampled must be that run's (the
+    last resumption's, where there was one); the others (steps, learning rate, ...) may change."""
+    out = earlier_run(tmp_path / "run")
+    made = load_config(None, [f"run.output_dir={out}", "rollout.temperature=0.8", "workload.seed=3"]).to_dict()
+    (out / "config.json").write_text(json.dumps(made))
+    assert plan(out, "run.if_exists=resume", "rollout.temperature=0.8", "workload.seed=3", "run.steps=50",
+                "trainer.learning_rate=1e-5").mode == "resume"
+    with pytest.raises(ConfigError, match=r"made with rollout.temperature = 0.8 \(.*config.json\); this run's "
+                                          r"rollout.temperature is 1.0"):
+        plan(out, "run.if_exists=resume", "rollout.temperature=1.0", "workload.seed=3")
+    with pytest.raises(ConfigError, match="made with workload.seed = 3"):
+        plan(out, "run.if_exists=resume", "rollout.temperature=0.8")
+    made["rollout"]["temperature"] = 1.0  # a resumption that changed it (before this check) rules now
+    (out / "config-resume-1.json").write_text(json.dumps(made))
+    assert plan(out, "run.if_exists=resume", "rollout.temperature=1.0", "workload.seed=3").mode == "resume"
+
+
+def test_a_resume_whose_model_makes_other_prompts_or_tokens_is_refused(tmp_path):
+    """Prompt ids that name other tokens now (another tokenizer, chat template or task settings)
+    would make the trace unreadable; another vocabulary or end-of-sequence id, a trace whose
+    header says how none of the new rollouts were sampled."""
+    from ngramrl.pipeline.rundir import check_same_prompts, read_earlier_run
+
+    out = earlier_run(tmp_path / "run")
+    earlier = read_earlier_run(str(out))
+    check_same_prompts(earlier, {"a": [1], "b": [3], "c": [4, 4]}, 10, [2], str(out))  # c is new: fine
+    with pytest.raises(ConfigError, match="prompt 'b' is not the prompt of that id in .*rollouts.jsonl.gz"):
+        check_same_prompts(earlier, {"a": [1], "b": [3, 3]}, 10, [2], str(out))
+    with pytest.raises(ConfigError, match=r"vocabulary of 10 tokens and end-of-sequence ids \[2\]; .* has 12 and"):
+        check_same_prompts(earlier, {"a": [1]}, 12, [2], str(out))
+    with pytest.raises(ConfigError, match=r"has 10 and \[0\]"):
+        check_same_prompts(earlier, {"a": [1]}, 10, [0], str(out))

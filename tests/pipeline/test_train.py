@@ -215,10 +215,13 @@ def test_a_pool_snapshot_that_fails_to_restore_is_left_as_it_was(model_2k, tmp_p
     assert {path.name: path.read_bytes() for path in (out / "pool").iterdir()} == kept
 
 
-def test_sigint_saves_the_run_and_resume_continues_it(model_2k, tmp_path):
-    """Ctrl-C in the middle of a run keeps what it did (metrics, trace, pool) and exits 130; a
-    second run into the directory is refused; --resume goes on: its steps and each prompt's epochs
-    continue, it appends, and it drafts from the restored pool at once."""
+@pytest.mark.parametrize("stop, status, said", [("SIGINT", 130, "interrupted in step"),
+                                                 ("SIGTERM", 143, "terminated (SIGTERM) in step")])
+def test_a_stopped_run_is_saved_and_resume_continues_it(model_2k, tmp_path, stop, status, said):
+    """Ctrl-C (SIGINT) or SIGTERM (kill, a scheduler's time limit) in the middle of a run keeps what
+    it did (metrics of every step whose rollouts the trace holds, trace, pool, policy) and exits
+    130 or 143; a second run into the directory is refused; --resume goes on: its steps and each
+    prompt's epochs continue, it appends, and it drafts from the restored pool at once."""
     import json
     import signal
     import subprocess
@@ -257,7 +260,7 @@ def test_sigint_saves_the_run_and_resume_continues_it(model_2k, tmp_path):
         # Ray defers a SIGINT that lands inside some of its calls; a user presses Ctrl-C again:
         # so does the test, every 30 s.
         for _ in range(10):
-            cli.send_signal(signal.SIGINT)
+            cli.send_signal(getattr(signal, stop))
             try:
                 cli.wait(timeout=30)
                 break
@@ -268,14 +271,15 @@ def test_sigint_saves_the_run_and_resume_continues_it(model_2k, tmp_path):
     finally:
         cli.kill()
     err = (tmp_path / "cli.err").read_text()
-    assert cli.returncode == 130, err[-3000:]
-    assert "interrupted in step" in err and "saved metrics.jsonl" in err and "continue it with --resume" in err
+    assert cli.returncode == status, err[-3000:]
+    assert said in err and "saved metrics.jsonl" in err and "continue it with --resume" in err
     steps_done = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps_done[:2] == [0, 1]
     assert (out / "pool" / "shard-0.json.gz").exists() and (out / "pool" / "shard-1.json.gz").exists()
     saved = read_trace(str(out / "rollouts.jsonl.gz")).rollouts
     assert {r.epoch for r in saved} >= {0, 1}
     next_step = max(steps_done[-1], max(r.policy_version for r in saved)) + 1
+    assert steps_done == list(range(next_step))  # a step stopped in its training is recorded too
     # the policy is saved too, trained by exactly the steps whose rollouts the trace holds
     assert "policy/ (the policy after" in err
     assert json.loads((out / "policy" / "ngramrl_policy.json").read_text()) == {"steps": next_step}
@@ -315,3 +319,19 @@ def test_engines_that_resolve_auto_differently_are_refused_with_what_to_set():
     with pytest.raises(ValueError, match=r"'auto' resolved to bfloat16, float32 on engines 0-1 .*set "
                                          r"model.rollout_dtype"):
         _engine_dtype(["bfloat16", "float32"], "auto")
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does_and_the_handler_before_comes_back():
+    import signal
+
+    from ngramrl.pipeline.run import Terminated, _stop_on_sigterm
+
+    before = signal.getsignal(signal.SIGTERM)
+    restore = _stop_on_sigterm()
+    try:
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert isinstance(stopped.value, Terminated)
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) == before
