@@ -184,7 +184,7 @@ def project_unit(trace: Trace, batch: int, methods: list[str], skipped: dict, pr
         if method == "none":
             reference = seconds
         runs.append({"trace": trace.path, "method": method, "engine_batch": batch,
-                     "rollout_seconds": round(seconds, 4),
+                     "rollout_seconds": round(seconds, 6),
                      "speedup_vs_none": round(reference / seconds, 4) if reference else None,
                      "tokens_per_forward": round(sum(r.committed for r in records)
                                                  / max(1, sum(r.rows for r in records)), 4),

@@ -196,7 +196,13 @@ def test_a_pool_snapshot_that_fails_to_restore_is_left_as_it_was(model_2k, tmp_p
     out = tmp_path / "run"
     out.mkdir()
     rollouts = [Rollout("p", 0, s, [1, 3], [5, 6, 2], policy_version=0) for s in range(2)]
-    write_trace(str(out / "rollouts.jsonl.gz"), TraceHeader(vocab_size=2048, eos_token_ids=[2]), rollouts)
+    from transformers import AutoTokenizer
+
+    from ngramrl.core.trace import model_vocab_size
+
+    tokenizer = AutoTokenizer.from_pretrained(model_2k)  # the trace of a run of this model
+    write_trace(str(out / "rollouts.jsonl.gz"), TraceHeader(vocab_size=model_vocab_size(model_2k, len(tokenizer)),
+                                                            eos_token_ids=[tokenizer.eos_token_id]), rollouts)
     (out / "metrics.jsonl").write_text(jsonlib.dumps({"step": 0}) + "\n")
     (out / "summary.json").write_text("[]")
     (out / "config.json").write_text("{}")
