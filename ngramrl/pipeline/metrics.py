@@ -8,9 +8,6 @@ COUNTERS = ("steps", "row_steps", "first_rows", "committed_tokens", "drafts", "d
             "prefetch_hits", "cut_tokens", "pool_calls", "pool_synced_prompts", "pool_late_syncs", "pool_down_prompts",
             "pool_errors", "pool_reconnects", "draft_us_total", "followed_drafts", "followed_accepted")
 
-RATES = ("tokens_per_forward", "offered_tokens_per_forward", "acceptance", "prefetch_coverage", "drafter_ms_per_step",
-         "pool_unsynced_prompts")
-
 
 def counters(stats: dict[str, Any] | None) -> dict[str, float]:
     stats = stats or {}
@@ -56,3 +53,6 @@ def offered_tokens_per_forward(window: dict[str, float]) -> float | None:
     per_decode_forward = 1.0 + window.get("followed_accepted", 0.0) / followed
     first = min(window.get("first_rows", 0.0), committed)
     return committed / (first + (committed - first) / per_decode_forward)
+
+
+RATES = tuple(draft_rates({}))  # the rates' names, in draft_rates' order

@@ -115,18 +115,15 @@ def read_earlier_run(path: str) -> EarlierRun:
                 earlier.header = rollout
                 continue
             earlier.rollout_count += 1
-            earlier.prompt_hashes.setdefault(rollout.prompt_id, hash(tuple(rollout.prompt)))
+            if rollout.prompt_id not in earlier.prompt_hashes:  # (the reader checks the rest repeat it)
+                earlier.prompt_hashes[rollout.prompt_id] = hash(tuple(rollout.prompt))
             earlier.next_epoch[rollout.prompt_id] = max(earlier.next_epoch.get(rollout.prompt_id, 0),
                                                         rollout.epoch + 1)
             if rollout.policy_version is not None:
                 earlier.next_step = max(earlier.next_step, rollout.policy_version + 1)
     summary_path = os.path.join(path, SUMMARY_FILE)
     if os.path.exists(summary_path):
-        try:
-            with open(summary_path, encoding="utf-8") as handle:
-                earlier.records = json.load(handle)
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"{summary_path}: cannot be read to resume the run ({err})") from None
+        earlier.records = _read_json(summary_path)
         if not isinstance(earlier.records, list):
             raise ConfigError(f"{summary_path}: not a run summary (a list of step records)")
     metrics_path = os.path.join(path, METRICS_FILE)
@@ -148,12 +145,7 @@ def read_earlier_run(path: str) -> EarlierRun:
     for name in [RESUMED_CONFIG.format(n) for n in range(earlier.resumes, 0, -1)] + [CONFIG_FILE]:
         config_path = os.path.join(path, name)
         if os.path.exists(config_path):
-            try:
-                with open(config_path, encoding="utf-8") as handle:
-                    earlier.config = json.load(handle)
-            except (OSError, ValueError) as err:
-                raise ConfigError(f"{config_path}: cannot be read to resume the run ({err})") from None
-            earlier.config_file = config_path
+            earlier.config, earlier.config_file = _read_json(config_path), config_path
             break
     policy_file = os.path.join(path, POLICY_DIR, POLICY_FILE)
     if os.path.exists(policy_file):
@@ -165,6 +157,14 @@ def read_earlier_run(path: str) -> EarlierRun:
                               f"steps trained the policy saved beside it") from None
         earlier.policy_dir = os.path.join(path, POLICY_DIR)
     return earlier
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path}: cannot be read to resume the run ({err})") from None
 
 
 def check_same_settings(earlier: EarlierRun, config: TrainConfig, output_dir: str) -> None:

@@ -796,12 +796,8 @@ def test_a_row_whose_request_ends_in_this_step_drafts_nothing(monkeypatch):
     """vLLM ends a request whose step committed an end-of-sequence id (unless it ignores them) or
     one of its own stop ids: a draft for it would never be verified, yet it would be looked up,
     counted as drafted and followed as if a forward verified it."""
-    monkeypatch.setenv(CONFIG_ENV, config_to_env(NgramRLConfig(engine=EngineConfig(prefetch="off",
-                                                                                   adaptive_length=False),
-                                                                drafter=DrafterConfig(use_global=False))))
-    proposer = NgramRLProposer(standin_vllm_config(4, eos_token_ids=(2,)))
-    runner = StandInRunner()
-    proposer.bind_runner(runner)
+    proposer, runner, _ = make_proposer(monkeypatch, FixedStepCost(0.03, 0.001, 0.0, 0.0), adaptive_length=False,
+                                        drafter=DrafterConfig(use_global=False))
     proposer.core.add_rollout("p", [1, 3], [100, 2, 300, 301, 77, 302, 303], epoch=0)
     for req_id in ("ends", "ignores", "stops", "goes_on"):
         runner.add(req_id, "p", [1, 3], epoch=1)
